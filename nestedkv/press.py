@@ -1,0 +1,161 @@
+"""Presses: a scorer bundled with its budget settings (names follow kvpress)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, Optional
+
+import mlx.core as mx
+
+from nestedkv import scoring
+from nestedkv.selection import (
+    N_SINK,
+    SAFEGUARD,
+    Selection,
+    check_budget,
+    check_head_budget,
+    check_ratio,
+    n_keep,
+    select,
+)
+
+
+@dataclass(frozen=True)
+class BasePress:
+    """``compression_ratio`` is the fraction of context entries REMOVED (kvpress and the paper);
+    ``budget`` is an absolute per-head token budget and wins over the ratio when given."""
+
+    name: ClassVar[str] = ""
+
+    compression_ratio: float = 0.0
+    budget: Optional[int] = None
+    head_budget: str = "uniform"
+    n_sink: int = N_SINK
+    safeguard: float = SAFEGUARD
+
+    def __post_init__(self):
+        check_ratio(self.compression_ratio)
+        check_budget(self.budget)
+        check_head_budget(self.head_budget)
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
+        if not 0.0 <= self.safeguard <= 1.0:
+            raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
+
+    def score(self, keys: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def n_keep(self, n: int) -> Optional[int]:
+        return n_keep(n, self.compression_ratio, self.budget, self.n_sink)
+
+    def select(self, keys: mx.array) -> Optional[Selection]:
+        """Rows to keep for cached keys ``[B, H, N, D]``; None when nothing needs evicting."""
+        scoring.check_keys(keys)
+        keep = self.n_keep(keys.shape[2])
+        if keep is None:
+            return None
+        return select(self.score(keys), keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
+
+    def to_json(self) -> str:
+        return json.dumps({"press": self.name, **asdict(self)}, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "BasePress":
+        params = json.loads(text)
+        name = params.pop("press")
+        if "scales" in params:
+            params["scales"] = tuple(params["scales"])
+        if "prior" in params:
+            params["prior"] = tuple(params["prior"])
+        return get_press(name, **params)
+
+
+@dataclass(frozen=True)
+class NoPress(BasePress):
+    """The uncompressed reference: never evicts anything."""
+
+    name: ClassVar[str] = "no_press"
+
+    def n_keep(self, n: int) -> Optional[int]:
+        return None
+
+
+@dataclass(frozen=True)
+class NestedKVPress(BasePress):
+    name: ClassVar[str] = "nestedkv"
+
+    window: int = scoring.WINDOW
+    block: Optional[int] = None
+    prior: tuple = scoring.PRIOR
+    beta: float = scoring.BETA
+    tail: float = scoring.TAIL
+    tau: float = scoring.TAU
+    kappa: float = scoring.KAPPA
+    use_gate: bool = True
+    scales: tuple = (True, True, True)
+
+    def score(self, keys):
+        return scoring.nestedkv_scores(
+            keys,
+            window=self.window,
+            block=self.block,
+            prior=self.prior,
+            beta=self.beta,
+            tail=self.tail,
+            tau=self.tau,
+            kappa=self.kappa,
+            use_gate=self.use_gate,
+            scales=self.scales,
+        )
+
+
+@dataclass(frozen=True)
+class KeyDiffPress(BasePress):
+    name: ClassVar[str] = "keydiff"
+
+    def score(self, keys):
+        return scoring.keydiff_scores(keys)
+
+
+@dataclass(frozen=True)
+class KnormPress(BasePress):
+    name: ClassVar[str] = "knorm"
+
+    def score(self, keys):
+        return scoring.knorm_scores(keys)
+
+
+@dataclass(frozen=True)
+class StreamingLLMPress(BasePress):
+    name: ClassVar[str] = "streaming_llm"
+
+    def score(self, keys):
+        return scoring.streaming_scores(keys)
+
+
+@dataclass(frozen=True)
+class RandomPress(BasePress):
+    name: ClassVar[str] = "random"
+
+    seed: int = 0
+
+    def score(self, keys):
+        return scoring.random_scores(keys, self.seed)
+
+
+PRESSES: dict[str, type[BasePress]] = {
+    cls.name: cls for cls in (NestedKVPress, KeyDiffPress, KnormPress, StreamingLLMPress, RandomPress, NoPress)
+}
+
+
+def get_press(name: str, **params) -> BasePress:
+    """Build a press by its kvpress name; parameters the press does not take are rejected."""
+    if name not in PRESSES:
+        raise ValueError(f"unknown press {name!r}; allowed: {', '.join(PRESSES)}")
+    cls = PRESSES[name]
+    allowed = {f.name for f in fields(cls)}
+    unknown = set(params) - allowed
+    if unknown:
+        raise TypeError(f"press {name!r} does not take {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return cls(**params)

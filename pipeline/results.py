@@ -1,0 +1,55 @@
+"""What the runner produces for one document; the store writes exactly these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from nestedkv.accounting import LayerMemory
+
+# Document/question statuses.
+OK = "ok"
+ERROR = "error"
+TOO_LONG = "too_long"
+
+
+@dataclass
+class QuestionResult:
+    question_idx: int
+    question: str
+    output: str = ""
+    gold: Optional[str] = None
+    n_question_tokens: int = 0
+    n_generated: int = 0
+    decode_s: float = 0.0
+    status: str = OK
+    error: Optional[str] = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.n_generated / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class DocumentResult:
+    doc_id: str
+    content_sha256: str
+    n_chars: int
+    title: Optional[str] = None
+    n_tokens: int = 0  # context tokens (what is compressed)
+    status: str = OK
+    error: Optional[str] = None
+    prefill_s: float = 0.0
+    compress_s: float = 0.0
+    peak_prefill_bytes: int = 0
+    peak_decode_bytes: int = 0
+    questions: list[QuestionResult] = field(default_factory=list)
+    layers: list[LayerMemory] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.n_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return sum(q.decode_s for q in self.questions)
