@@ -1,0 +1,252 @@
+"""Parquet inputs -> validated ``Document`` models, with bad rows reported instead of aborting the batch.
+
+Two layouts are accepted: one row per document (``doc_id``, ``text``, optional ``title``, ``questions``,
+``answers``), and kvpress-style rows (``context``, ``question``, ``answer``, optional ``doc_id``/``id``)
+where rows sharing a context become one document with several questions.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, computed_field, field_validator
+
+PathLike = Union[str, Path]
+
+# Small batches: documents are long, so a default 64k-row batch could hold gigabytes of text.
+BATCH_ROWS = 256
+
+NATIVE_COLUMNS = ("doc_id", "text", "title", "questions", "answers")
+KVPRESS_COLUMNS = ("context", "question", "answer", "doc_id", "id", "title")
+
+
+class InputError(ValueError):
+    """A problem with an input file as a whole (missing, unreadable, wrong columns)."""
+
+
+@dataclass(frozen=True)
+class RowError:
+    source: str
+    row: int
+    doc_id: Optional[str]
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        who = f" (doc_id {self.doc_id!r})" if self.doc_id else ""
+        return f"{self.source} row {self.row}{who}: {self.field}: {self.message}"
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class Document(BaseModel):
+    # strict: a number in the text column is an input error, not a silently stringified document.
+    # extra="ignore": model_dump() carries the computed fields and must validate back.
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    doc_id: str
+    text: str
+    title: Optional[str] = None
+    questions: Optional[list[str]] = None
+    answers: Optional[list[str]] = None
+
+    @field_validator("doc_id", "text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("answers")
+    @classmethod
+    def _aligned(cls, v: Optional[list[str]], info: ValidationInfo) -> Optional[list[str]]:
+        qs = info.data.get("questions")
+        if v is not None and qs is not None and len(v) != len(qs):
+            raise ValueError(f"{len(v)} answers for {len(qs)} questions (must be aligned)")
+        return v
+
+    @computed_field
+    @cached_property
+    def content_sha256(self) -> str:
+        return sha256_hex(self.text)
+
+    @computed_field
+    @cached_property
+    def n_chars(self) -> int:
+        return len(self.text)
+
+
+def _files(path: PathLike) -> list[Path]:
+    p = Path(path)
+    text = str(path)
+    if any(ch in text for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        if not files:
+            raise InputError(f"{text}: no file matches this pattern")
+        return files
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.parquet") if f.is_file())
+        if not files:
+            raise InputError(f"{p}: folder holds no .parquet files")
+        return files
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    return [p]
+
+
+def _layout(path: Path, schema: pa.Schema) -> str:
+    names = set(schema.names)
+    if "text" in names:
+        if "doc_id" not in names:
+            raise InputError(f"{path}: has a 'text' column but no 'doc_id' column")
+        return "native"
+    if "context" in names:
+        return "kvpress"
+    raise InputError(f"{path}: no 'text' (or kvpress 'context') column; found: {', '.join(schema.names) or 'none'}")
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def check_input(path: PathLike) -> list[Path]:
+    """Raise ``InputError`` for file-level problems, reading only the Parquet footers; return the files."""
+    files = _files(path)
+    for f in files:
+        _layout(f, _open(f).schema_arrow)
+    return files
+
+
+def _rows(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    cols = [c for c in wanted if c in pf.schema_arrow.names]
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{path}: corrupt Parquet data near row {row} ({_one_line(e)})") from None
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    field = ".".join(str(part) for part in err["loc"]) or "row"
+    if err.get("input", ...) is None:
+        return field, "missing (null)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"].endswith("_type"):
+        msg += f" (got {type(err['input']).__name__})"
+    return field, msg
+
+
+def _validate(
+    source: str, row: int, data: dict, rename: Optional[dict] = None
+) -> tuple[Optional[Document], Optional[RowError]]:
+    try:
+        return Document(**data), None
+    except ValidationError as e:
+        errs = e.errors()
+        field, msg = _describe(errs[0])
+        if len(errs) > 1:
+            msg += "; also " + "; ".join("{}: {}".format(*_describe(x)) for x in errs[1:])
+        field = (rename or {}).get(field, field)
+        doc_id = data.get("doc_id") if isinstance(data.get("doc_id"), str) else None
+        return None, RowError(source, row, doc_id, field, msg)
+
+
+class _Loader:
+    """Keeps doc_id uniqueness across every file of one input."""
+
+    def __init__(self) -> None:
+        self.docs: list[Document] = []
+        self.errors: list[RowError] = []
+        self.first_seen: dict[str, tuple[str, int]] = {}
+
+    def add(self, source: str, row: int, doc: Document) -> None:
+        if doc.doc_id in self.first_seen:
+            src, first = self.first_seen[doc.doc_id]
+            where = f"row {first}" if src == source else f"{src} row {first}"
+            self.errors.append(RowError(source, row, doc.doc_id, "doc_id", f"duplicate doc_id; first seen in {where}"))
+            return
+        self.first_seen[doc.doc_id] = (source, row)
+        self.docs.append(doc)
+
+    def native(self, path: Path, pf: pq.ParquetFile) -> None:
+        source = str(path)
+        for row, rec in _rows(path, pf, NATIVE_COLUMNS):
+            doc, err = _validate(source, row, rec)
+            if err:
+                self.errors.append(err)
+            else:
+                self.add(source, row, doc)
+
+    def kvpress(self, path: Path, pf: pq.ParquetFile) -> None:
+        source = str(path)
+        has_answer = "answer" in pf.schema_arrow.names
+        groups: dict[str, dict] = {}  # context sha256 -> accumulated document fields, in first-seen order
+        for row, rec in _rows(path, pf, KVPRESS_COLUMNS):
+            ctx, q, a = rec.get("context"), rec.get("question"), rec.get("answer")
+            doc_id = rec.get("doc_id", rec.get("id"))
+            if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+                doc_id = str(doc_id)  # kvpress datasets often number their rows
+            doc_id = doc_id if isinstance(doc_id, str) and doc_id.strip() else None
+            bad = None
+            if ctx is None or (isinstance(ctx, str) and not ctx.strip()):
+                bad = ("context", "missing (null)" if ctx is None else "must not be empty")
+            elif not isinstance(ctx, str):
+                bad = ("context", f"Input should be a valid string (got {type(ctx).__name__})")
+            elif q is not None and not isinstance(q, str):
+                bad = ("question", f"Input should be a valid string (got {type(q).__name__})")
+            elif a is not None and not isinstance(a, str):
+                bad = ("answer", f"Input should be a valid string (got {type(a).__name__})")
+            if bad:
+                self.errors.append(RowError(source, row, doc_id, *bad))
+                continue
+            key = sha256_hex(ctx)
+            g = groups.setdefault(
+                key,
+                {"row": row, "doc_id": doc_id or f"ctx-{key[:12]}", "text": ctx, "title": rec.get("title"),
+                 "questions": [], "answers": []},
+            )
+            if q is not None:
+                g["questions"].append(q)
+                g["answers"].append(a)
+        for g in groups.values():
+            row = g.pop("row")
+            # Gold answers are kept only when every question has one, so indices stay aligned.
+            answers = g.pop("answers")
+            g["answers"] = answers if has_answer and g["questions"] and None not in answers else None
+            g["questions"] = g["questions"] or None
+            doc, err = _validate(source, row, g, rename={"text": "context"})
+            if err:
+                self.errors.append(err)
+            else:
+                self.add(source, row, doc)
+
+
+def load_documents(path: PathLike) -> tuple[list[Document], list[RowError]]:
+    """All valid documents of a Parquet file, glob or folder, and one ``RowError`` per skipped row."""
+    # Every footer is checked before any row is read, so a bad third file fails fast.
+    opened = [(f, _open(f)) for f in _files(path)]
+    layouts = [_layout(f, pf.schema_arrow) for f, pf in opened]
+    loader = _Loader()
+    for (f, pf), layout in zip(opened, layouts):
+        getattr(loader, layout)(f, pf)
+    return loader.docs, loader.errors
