@@ -1,0 +1,48 @@
+"""Chat-template prompts, split into the compressed context and the question that follows it.
+
+kvpress protocol: the context is prefilled and compressed on its own, then the question is
+appended uncompressed, so the question can never be evicted and one compressed context
+answers every question of a document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QA_INSTRUCTION = "Answer the question about the document above in a few words.\nQuestion: {question}"
+# A marker no document contains; the rendered template is cut there.
+_SPLIT = "\u241eNKV-QUESTION\u241e"
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    context: str  # everything up to the end of the document: prefilled then compressed
+    question: str  # the instruction/question and the assistant header: appended after compression
+
+
+def question_text(task: str, question: str | None, summary_instruction: str) -> str:
+    if task == "summarize":
+        return summary_instruction
+    if not question:
+        raise ValueError("a qa prompt needs a question")
+    return QA_INSTRUCTION.format(question=question)
+
+
+def build_prompt(tokenizer, document: str, instruction: str) -> PromptParts:
+    """Render the model's chat template around the document and the instruction, then split."""
+    content = f"{document}\n\n{_SPLIT}{instruction}"
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        rendered = f"Document:\n{content}\nAnswer:"
+    head, sep, tail = rendered.partition(_SPLIT)
+    if not sep:
+        raise ValueError("the chat template dropped the prompt text; cannot split context and question")
+    return PromptParts(context=head, question=tail)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    # The template already holds the special tokens; do not let the tokenizer add a BOS again.
+    return list(tokenizer.encode(text, add_special_tokens=False))
