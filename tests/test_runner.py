@@ -1,0 +1,108 @@
+"""The runner on a tiny random model: compress once, questions appended and never evicted, rewind."""
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import pytest
+
+from pipeline.config import RunConfig
+from pipeline.documents import Document
+from pipeline.results import ERROR, OK, TOO_LONG
+from pipeline.runner import Runner, rewind
+from tests.tiny import ByteTokenizer, tiny_model
+
+TEXT = ("The quick brown fox jumps over the lazy dog near the river bank. " * 12).strip()
+
+
+def make_runner(**cfg):
+    cfg = {"task": "qa", "model": "tiny", "max_new_tokens": 6, "prefill_step_size": 128, **cfg}
+    return Runner(tiny_model(), ByteTokenizer(), RunConfig(**cfg))
+
+
+def doc(**kw):
+    return Document(**{"doc_id": "d1", "text": TEXT, "questions": ["Who jumps?", "Where?"], "answers": ["fox", "river"], **kw})
+
+
+def test_question_rows_are_appended_after_compression_and_rewound():
+    runner = make_runner(press="nestedkv", budget=64)
+    res, prepared = runner.start(doc())
+    cache = runner.prefill(prepared, res)
+    n_ctx = len(prepared.context_ids)
+    assert all(c.offset == n_ctx and not c.compressed for c in cache)
+    nestedkv.compress(cache)
+    assert all(c.stored == 64 and c.context_len == n_ctx for c in cache)
+
+    q_ids = prepared.questions[0][1]
+    out = res.questions[0]
+    runner.answer(cache, q_ids, out)
+    for c in cache:
+        # Every question and generated row is still there: nothing after the context is evicted.
+        assert c.stored - c.n_ctx_rows == c.offset - n_ctx >= len(q_ids)
+        assert c.context_len == n_ctx
+    rewind(cache)
+    assert all(c.stored == 64 and c.offset == n_ctx for c in cache)
+
+
+def test_second_question_matches_a_fresh_compressed_cache():
+    runner = make_runner(press="nestedkv", budget=64)
+    res = runner.run(doc())
+    assert res.status == OK, res.error
+    # Answer question 1 alone on a fresh cache: rewinding after question 0 must not have changed it.
+    alone, prepared = runner.start(doc())
+    cache = runner.prefill(prepared, alone)
+    nestedkv.compress(cache)
+    runner.answer(cache, prepared.questions[1][1], alone.questions[1])
+    assert res.questions[1].output == alone.questions[1].output
+    assert res.questions[1].n_generated == alone.questions[1].n_generated
+
+
+def test_layer_stats_follow_the_budget():
+    r = 0.75
+    runner = make_runner(press="nestedkv", compression_ratio=r)
+    res = runner.run(doc())
+    assert res.status == OK
+    assert len(res.layers) == 2
+    for lm in res.layers:
+        assert lm.tokens_seen == res.n_tokens
+        assert lm.kept_max == lm.kept_min == int(res.n_tokens * (1 - r))
+        assert lm.bytes_kept / lm.bytes_full == pytest.approx(1 - r, abs=1 / res.n_tokens)
+        assert lm.bytes_resident == lm.bytes_kept
+    assert res.prefill_s > 0 and res.peak_prefill_bytes > 0
+    assert all(q.n_generated <= 6 for q in res.questions)
+
+
+def test_no_press_keeps_everything():
+    res = make_runner(press="no_press").run(doc())
+    assert res.status == OK
+    assert all(lm.bytes_kept == lm.bytes_full for lm in res.layers)
+
+
+def test_too_long_is_an_error_row_with_token_counts():
+    runner = Runner(tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6), max_context=200)
+    res = runner.run(doc())
+    assert res.status == TOO_LONG
+    assert str(res.n_tokens) in res.error and "200" in res.error
+    assert all(q.status == TOO_LONG for q in res.questions)
+    assert res.layers == []
+
+
+def test_truncate_cuts_the_middle_to_fit_the_window():
+    runner = Runner(
+        tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6, truncate=True), max_context=300
+    )
+    res = runner.run(doc())
+    assert res.status == OK
+    longest_q = max(q.n_question_tokens for q in res.questions)
+    assert res.n_tokens + longest_q + 6 <= 300
+    assert "truncated" in res.error
+
+
+def test_qa_without_questions_is_an_error_naming_the_field():
+    res = make_runner().run(doc(questions=None, answers=None))
+    assert res.status == ERROR
+    assert "d1" in res.error and "questions" in res.error
+
+
+def test_summarize_asks_one_instruction():
+    res = make_runner(task="summarize").run(doc())
+    assert res.status == OK
+    assert [q.question for q in res.questions] == [RunConfig().summary_instruction]
