@@ -46,6 +46,11 @@ class NestedKVCache(KVCache):
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys, values):
+        if self.valid is not None and not getattr(self, "_hooked", False):
+            # A loaded adaptive cache never went through make_cache: without the hook the
+            # padded rows would silently be attended to.
+            _hook_loaded_models()
+            self._hooked = True
         n_new = keys.shape[2]
         if not self.compressed:
             if n_new == 1 and self._saw_prefill:
@@ -231,6 +236,12 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, NestedKVCache) and cache.valid is not None:
         mask = cache.head_mask(mask, queries.shape[1], queries.shape[2], keys.shape[2])
     return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _hook_loaded_models() -> None:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _sdpa:
+            module.scaled_dot_product_attention = attention
 
 
 def _attention_modules(model):

@@ -1,0 +1,258 @@
+"""Micro-benchmarks: scoring+selection per layer, and (with --model) prefill, compress and decode.
+
+    python -m nestedkv.bench [--model DIR] [--context 4096] [--new-tokens 32] [--out FILE.json]
+
+The model is an mlx-lm directory (nestedkv never imports pipeline, so it takes no model names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, layer_stats, make_cache
+
+SIZES = (2048, 8192, 32768)
+PARAGRAPH = (
+    "The village lay at the foot of a long green hill, and every morning the carts came down the lane "
+    "with milk and bread for the houses by the river. Mrs. Hale kept the shop on the corner; she knew "
+    "every family by name, what they owed, and which of the children had been ill that winter. In the "
+    "spring the orchard behind the church flowered all at once, and the vicar, who was fond of bees, "
+    "walked there after the service to count the hives and to talk with anyone who cared to listen. "
+)
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_scoring(sizes=SIZES, repeats: int = 3, heads: int = 8, head_dim: int = 128) -> list[dict]:
+    """Median seconds of score + select (mx.eval inside) for one layer's keys [1, heads, N, head_dim]."""
+    presses = {
+        "nestedkv": NestedKVPress(compression_ratio=0.75),
+        "nestedkv_adaptive": NestedKVPress(compression_ratio=0.75, head_budget="adaptive"),
+        "keydiff": KeyDiffPress(compression_ratio=0.75),
+    }
+    rows = []
+    for n in sizes:
+        keys = mx.random.normal((1, heads, n, head_dim), key=mx.random.key(n))
+        mx.eval(keys)
+        for name, press in presses.items():
+            def run():
+                sel = press.select(keys)
+                mx.eval(sel.indices, sel.counts)
+
+            rows.append({"method": name, "n": n, "seconds": _median_seconds(run, repeats)})
+        del keys
+    return rows
+
+
+# -- model part ------------------------------------------------------------------------------
+def to_fp32_on_cpu(model) -> bool:
+    """On CPU, fp16/bf16/quantized matmuls are slow: run in fp32 there. Returns True if changed."""
+    if mx.default_device() != mx.cpu:
+        return False
+    from mlx_lm.utils import dequantize_model
+
+    quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    if quantized:
+        dequantize_model(model)
+    half = any(p.dtype in (mx.float16, mx.bfloat16) for _, p in tree_flatten(model.parameters()))
+    if half:
+        model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return quantized or half
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def load_model_dir(path: Path, random_tokens: bool):
+    """(model, tokenizer or None). Without a tokenizer (or with --random-tokens) only weights load."""
+    if random_tokens or not _has_tokenizer(path):
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(path)
+        return model, None
+    from mlx_lm import load
+
+    return load(str(path))
+
+
+def context_tokens(tokenizer, n: int, text_file: str | None = None) -> mx.array:
+    """``n`` token ids of English text (the file's, or the built-in paragraph), repeated as needed."""
+    text = Path(text_file).read_text(encoding="utf-8") if text_file else PARAGRAPH
+    per_copy = len(tokenizer.encode(text))
+    if per_copy == 0:
+        raise ValueError("the text tokenized to nothing")
+    # Encode the repeated text once, so there is a single BOS, not one per copy.
+    ids = tokenizer.encode(text * (n // per_copy + 2))
+    return mx.array(ids[:n], dtype=mx.int32)
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    return int(getattr(args, "vocab_size", 1000))
+
+
+def _summary(values: list[float]) -> dict:
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+
+
+def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, text=None, random_tokens=False):
+    model, tokenizer = load_model_dir(path, random_tokens)
+    converted = to_fp32_on_cpu(model)
+    if tokenizer is None:
+        toks = mx.random.randint(0, _vocab_size(model), (context,), key=mx.random.key(0)).astype(mx.int32)
+    else:
+        toks = context_tokens(tokenizer, context, text)
+    context = int(toks.shape[0])
+
+    cache = make_cache(model, NoPress())
+    t = time.perf_counter()
+    for i in range(0, context, chunk):
+        logits = model(toks[None, i : i + chunk], cache=cache)
+        mx.eval(logits, [c.keys for c in cache])
+    prefill_s = time.perf_counter() - t
+    first = mx.argmax(logits[:, -1:, :], axis=-1)
+
+    configs = {"no_press": NoPress(), "r=0.75": NestedKVPress(compression_ratio=0.75),
+               "r=0.9": NestedKVPress(compression_ratio=0.9)}
+    results = {}
+    for name, press in configs.items():
+        c = clone(cache, press)  # one prefill shared by every configuration
+        t = time.perf_counter()
+        compress(c)
+        compress_s = time.perf_counter() - t
+        stats = layer_stats(c)
+        y = first
+        y = mx.argmax(model(y, cache=c)[:, -1:, :], axis=-1)  # warm-up step, not timed
+        mx.eval(y)
+        t = time.perf_counter()
+        for _ in range(new_tokens):
+            y = mx.argmax(model(y, cache=c)[:, -1:, :], axis=-1)
+            mx.eval(y)
+        decode_s = time.perf_counter() - t
+        results[name] = {
+            "compression_ratio": press.compression_ratio,
+            "compress_seconds": compress_s,
+            "compress_over_prefill": compress_s / prefill_s,
+            "decode_tokens_per_s": new_tokens / decode_s,
+            "kept_over_full": _summary([s.bytes_kept / s.bytes_full for s in stats]),
+            "resident_over_logical": _summary([s.bytes_resident / s.bytes_kept for s in stats]),
+            "kept_rows_per_head": _summary([s.kept_mean for s in stats]),
+        }
+        del c
+    full = results["no_press"]["decode_tokens_per_s"]
+    for r in results.values():
+        r["decode_speedup"] = r["decode_tokens_per_s"] / full
+    return {
+        "model": str(path),
+        "n_layers": len(cache),
+        "dtype": str(cache[0].keys.dtype).removeprefix("mlx.core."),
+        "converted_to_fp32": converted,
+        "tokens": "random ids" if tokenizer is None else "text",
+        "context": context,
+        "chunk": chunk,
+        "new_tokens": new_tokens,
+        "prefill_seconds": prefill_s,
+        "configs": results,
+    }
+
+
+# -- report ----------------------------------------------------------------------------------
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "MISS"
+
+
+def report(out: dict) -> str:
+    lines = [f"nestedkv bench  device={out['device']}  mlx={out['mlx']}", ""]
+    lines.append(
+        f"scoring + selection per layer, keys [1, 8, N, 128] fp32, r=0.75 "
+        f"(median of {out['repeats']} runs after warm-up)"
+    )
+    sizes = sorted({r["n"] for r in out["scoring"]})
+    methods = list(dict.fromkeys(r["method"] for r in out["scoring"]))
+    lines.append(f"  {'method':<20}" + "".join(f"{'N=' + str(n):>12}" for n in sizes))
+    for m in methods:
+        cells = {r["n"]: r["seconds"] for r in out["scoring"] if r["method"] == m}
+        lines.append(f"  {m:<20}" + "".join(f"{cells[n] * 1e3:>10.1f}ms" for n in sizes))
+    mo = out.get("model_run")
+    if mo:
+        lines += [
+            "",
+            f"model {mo['model']}  ({mo['n_layers']} layers, {mo['dtype']}"
+            f"{', converted to fp32' if mo['converted_to_fp32'] else ''}; {mo['tokens']})",
+            f"  context {mo['context']} tokens in {mo['chunk']}-token chunks: prefill {mo['prefill_seconds']:.2f}s",
+        ]
+        for name, r in mo["configs"].items():
+            kept = r["kept_over_full"]
+            res = r["resident_over_logical"]
+            line = (
+                f"  {name:<9} compress {r['compress_seconds'] * 1e3:7.1f}ms "
+                f"({r['compress_over_prefill'] * 100:5.2f}% of prefill)  "
+                f"decode {r['decode_tokens_per_s']:7.1f} tok/s (x{r['decode_speedup']:.2f})  "
+                f"kept/full {kept['mean']:.3f} [{kept['min']:.3f}..{kept['max']:.3f}]  "
+                f"resident/logical {res['mean']:.2f}"
+            )
+            if name != "no_press":
+                target = 1 - r["compression_ratio"]
+                line += (
+                    f"  | targets: compress<=1% {_mark(r['compress_over_prefill'] <= 0.01)}, "
+                    f"kept=1-r {_mark(abs(kept['max'] - target) <= 1.0 / mo['context'] + 1e-9)}"
+                )
+                if name == "r=0.75":
+                    line += f", decode>=1.25x {_mark(r['decode_speedup'] >= 1.25)}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nestedkv.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="an mlx-lm model directory (config.json + safetensors)")
+    p.add_argument("--context", type=int, default=4096, help="context tokens to prefill (default 4096)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy decode steps per configuration")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
+    p.add_argument("--text", help="a UTF-8 text file for the context (default: a built-in paragraph, repeated)")
+    p.add_argument("--random-tokens", action="store_true", help="random token ids instead of tokenized text")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="scoring sizes N, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per scoring size (after two warm-ups)")
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    a = p.parse_args(argv)
+    if a.context < 8 or a.new_tokens < 1 or a.chunk < 1:
+        p.error("--context must be >= 8, --new-tokens and --chunk >= 1")
+    if a.model is not None and not (a.model / "config.json").exists():
+        p.error(f"--model {a.model}: not an mlx-lm directory (no config.json)")
+    sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
+
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "repeats": a.repeats}
+    out["scoring"] = bench_scoring(sizes, a.repeats)
+    if a.model is not None:
+        out["model_run"] = bench_model(a.model, a.context, a.new_tokens, a.chunk, a.text, a.random_tokens)
+    print(report(out))
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
