@@ -40,9 +40,11 @@ def _unit(x: mx.array) -> mx.array:
     return x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), EPS)
 
 
-def _cos_unit(k_unit: mx.array, anchor: mx.array) -> mx.array:
-    # True cosine: the anchor is a mean of unit vectors, so its norm is < 1 and varies per token.
-    return mx.sum(k_unit * _unit(anchor), axis=-1)
+def _cos(dots: mx.array, anchor_norms: mx.array) -> mx.array:
+    # True cosine: anchors are sums of unit vectors whose norm varies per token (spec pitfall 1).
+    # A cosine does not change when the anchor is scaled, so block and window SUMS stand in for
+    # their means and nothing is ever divided by a count.
+    return dots / mx.maximum(anchor_norms, EPS)
 
 
 def _minmax(x: mx.array, axis: int = 2) -> mx.array:
@@ -56,27 +58,33 @@ def block_size(n: int) -> int:
     return min(max(n // BLOCK_DIVISOR, BLOCK_MIN), BLOCK_MAX)
 
 
-def block_anchor(k_unit: mx.array, block: int) -> mx.array:
-    """Mean of the unit keys in each token's contiguous block (the last block may be shorter)."""
+def stable_cosine(k_unit: mx.array) -> mx.array:
+    """cos(k_i, mean of all unit keys): ``[B, H, N]``."""
+    total = mx.sum(k_unit, axis=2, keepdims=True)  # [B,H,1,D]
+    dots = (k_unit @ total.swapaxes(-1, -2))[..., 0]
+    return _cos(dots, mx.linalg.norm(total, axis=-1))
+
+
+def block_cosine(k_unit: mx.array, block: int) -> mx.array:
+    """cos(k_i, mean of the unit keys in i's contiguous block); the last block may be shorter."""
     B, H, N, D = k_unit.shape
     n_blocks = -(-N // block)
     pad = n_blocks * block - N
     padded = mx.pad(k_unit, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else k_unit
-    sums = padded.reshape(B, H, n_blocks, block, D).sum(axis=3)
-    counts = mx.minimum(block, N - mx.arange(n_blocks) * block).astype(mx.float32)
-    means = sums / counts[:, None]
-    return mx.repeat(means, block, axis=2)[:, :, :N]
+    blocks = padded.reshape(B, H, n_blocks, block, D)
+    sums = mx.sum(blocks, axis=3, keepdims=True)  # zero padding leaves the sums exact
+    dots = (blocks @ sums.swapaxes(-1, -2))[..., 0]  # [B,H,nb,block]
+    cos = _cos(dots, mx.linalg.norm(sums, axis=-1))
+    return cos.reshape(B, H, n_blocks * block)[:, :, :N]
 
 
-def window_anchor(k_unit: mx.array, window: int) -> mx.array:
-    """Mean of the unit keys in the trailing causal window that includes the token itself."""
+def window_cosine(k_unit: mx.array, window: int) -> mx.array:
+    """cos(k_i, mean of the unit keys in the trailing window that includes i itself)."""
     N = k_unit.shape[2]
-    csum = mx.cumsum(k_unit, axis=2)
+    sums = mx.cumsum(k_unit, axis=2)
     if N > window:
-        lagged = mx.pad(csum[:, :, : N - window], [(0, 0), (0, 0), (window, 0), (0, 0)])
-        csum = csum - lagged
-    counts = mx.minimum(mx.arange(1, N + 1), window).astype(mx.float32)
-    return csum / counts[:, None]
+        sums = sums - mx.pad(sums[:, :, : N - window], [(0, 0), (0, 0), (window, 0), (0, 0)])
+    return _cos(mx.sum(k_unit * sums, axis=-1), mx.linalg.norm(sums, axis=-1))
 
 
 def scale_anomalies(keys: mx.array, window: int = WINDOW, block: int | None = None) -> mx.array:
@@ -84,10 +92,9 @@ def scale_anomalies(keys: mx.array, window: int = WINDOW, block: int | None = No
     check_keys(keys)
     k = _unit(keys.astype(mx.float32))
     N = k.shape[2]
-    mu_s = mx.mean(k, axis=2, keepdims=True)
-    mu_e = block_anchor(k, block or block_size(N))
-    mu_c = window_anchor(k, window)
-    raw = mx.stack([-_cos_unit(k, mu_s), -_cos_unit(k, mu_e), -_cos_unit(k, mu_c)], axis=-1)
+    raw = -mx.stack(
+        [stable_cosine(k), block_cosine(k, block or block_size(N)), window_cosine(k, window)], axis=-1
+    )
     return _minmax(raw, axis=2)
 
 
@@ -138,8 +145,7 @@ def nestedkv_scores(
 def keydiff_scores(keys: mx.array) -> mx.array:
     """KeyDiff: negative cosine to the mean unit key (NestedKV's stable scale alone)."""
     check_keys(keys)
-    k = _unit(keys.astype(mx.float32))
-    return -_cos_unit(k, mx.mean(k, axis=2, keepdims=True))
+    return -stable_cosine(_unit(keys.astype(mx.float32)))
 
 
 def knorm_scores(keys: mx.array) -> mx.array:

@@ -90,13 +90,15 @@ def test_reference_matches_the_spec_worked_example():
 
 
 @pytest.mark.parametrize("N", NS)
-def test_block_and_window_anchors(N):
+def test_anchor_cosines_match_mean_anchors(N):
     keys, ref = random_keys(N)
     k = ref_unit(ref)
     _, mu_e, mu_c = ref_anchors(k)
     k_mx = mx.array(k.astype(np.float32))
-    np.testing.assert_allclose(np.array(scoring.block_anchor(k_mx, scoring.block_size(N))), mu_e, atol=1e-5)
-    np.testing.assert_allclose(np.array(scoring.window_anchor(k_mx, 64)), mu_c, atol=1e-5)
+    mu_s, _, _ = ref_anchors(k)
+    np.testing.assert_allclose(np.array(scoring.stable_cosine(k_mx)), ref_cos(k, mu_s), atol=1e-5)
+    np.testing.assert_allclose(np.array(scoring.block_cosine(k_mx, scoring.block_size(N))), ref_cos(k, mu_e), atol=1e-5)
+    np.testing.assert_allclose(np.array(scoring.window_cosine(k_mx, 64)), ref_cos(k, mu_c), atol=1e-5)
 
 
 @pytest.mark.parametrize("N,b", [(5, 128), (4095, 128), (4096, 128), (6000, 187), (8192, 256), (50000, 256)])
@@ -108,9 +110,9 @@ def test_block_anchor_with_short_last_block():
     # N=10, block 4: blocks [0..3], [4..7], [8..9]; the last one averages only 2 keys.
     _, ref = random_keys(10)
     k = ref_unit(ref)
-    got = np.array(scoring.block_anchor(mx.array(k.astype(np.float32)), 4))
-    np.testing.assert_allclose(got[:, :, 9], k[:, :, 8:10].mean(axis=2), atol=1e-6)
-    np.testing.assert_allclose(got[:, :, 3], k[:, :, 0:4].mean(axis=2), atol=1e-6)
+    got = np.array(scoring.block_cosine(mx.array(k.astype(np.float32)), 4))
+    np.testing.assert_allclose(got[:, :, 9], ref_cos(k[:, :, 9], k[:, :, 8:10].mean(axis=2)), atol=1e-6)
+    np.testing.assert_allclose(got[:, :, 3], ref_cos(k[:, :, 3], k[:, :, 0:4].mean(axis=2)), atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype,atol", DTYPES)
