@@ -1,0 +1,175 @@
+"""Quality of a compressed run against the uncompressed run of the same document.
+
+Metrics, per (document, question, configuration), stored in the ``evaluations`` table under these names:
+
+- ``correct`` (0/1): the gold answer occurs in the model's answer, after folding case, punctuation and
+  whitespace (``contains_gold``). Scored for the reference too; ``reference_run_id`` is NULL (it is a
+  score against gold, and the store's ``quality_vs_full`` view puts the reference's value beside it).
+- ``agree_exact`` (0/1): the answer equals the ``no_press`` answer after the same folding.
+- ``rouge_l``: ROUGE-L F-measure of the answer against the ``no_press`` answer (``rouge-score``).
+- ``delta_nll``: teacher-forced mean negative log-likelihood per token of the ``no_press`` answer under
+  the compressed cache minus the same under the full cache (0 = compression changed nothing the model
+  believes about the reference answer; higher = worse).
+- ``top1_agreement``: along the ``no_press`` answer, the share of positions where the compressed cache's
+  argmax next token equals the full cache's argmax.
+
+The agreement metrics carry ``reference_run_id`` = the ``no_press`` run. The numerical parts are pure
+functions of strings and logits; ``teacher_force`` is the only one that runs the model.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from functools import lru_cache
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
+METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)
+GOLD_METRICS = (CORRECT,)  # scored against gold: reference_run_id is NULL
+REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)  # scored against the no_press run
+
+QuestionScores = dict  # metric name -> value, for one question
+
+
+# -- text -----------------------------------------------------------------------------------------------
+def normalize_answer(text: Optional[str]) -> str:
+    """Fold case (Unicode casefold after NFKC), delete punctuation, collapse whitespace to single spaces.
+
+    Punctuation is deleted rather than replaced by a space so that ``4,719`` matches ``4719`` and
+    ``K7-Q2`` matches ``k7q2``; the price is that ``K7 Q2`` (a space instead of the dash) does not.
+    """
+    if not text:
+        return ""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    kept = (" " if ch.isspace() else ch for ch in text if not unicodedata.category(ch).startswith("P"))
+    return " ".join("".join(kept).split())
+
+
+def contains_gold(answer: Optional[str], gold: Optional[str]) -> bool:
+    """The normalized gold occurs in the normalized answer as whole words (``381`` is not in ``1381``).
+    An empty gold is never contained."""
+    g = normalize_answer(gold)
+    if not g:
+        return False
+    return f" {g} " in f" {normalize_answer(answer)} "
+
+
+def exact_match(answer: Optional[str], reference: Optional[str]) -> bool:
+    return normalize_answer(answer) == normalize_answer(reference)
+
+
+@lru_cache(maxsize=1)
+def _rouge_scorer():
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+
+
+def rouge_l(answer: Optional[str], reference: Optional[str]) -> float:
+    """ROUGE-L F-measure of ``answer`` against ``reference`` with the ``rouge-score`` package.
+    Two answers equal after ``normalize_answer`` (two empty ones included) score 1."""
+    if exact_match(answer, reference):
+        return 1.0
+    return float(_rouge_scorer().score(reference or "", answer or "")["rougeL"].fmeasure)
+
+
+# -- logits ---------------------------------------------------------------------------------------------
+def _logits(x: Any) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim != 2:
+        raise ValueError(f"logits must be [positions, vocab], got shape {a.shape}")
+    return a
+
+
+def token_nll(logits: Any, targets: Sequence[int]) -> np.ndarray:
+    """Negative log-likelihood of each target token: ``logits[i]`` predicts ``targets[i]``."""
+    a = _logits(logits)
+    t = np.asarray(targets, dtype=np.int64)
+    if t.shape != (a.shape[0],):
+        raise ValueError(f"{a.shape[0]} logit rows but {t.shape} targets")
+    if t.size and (t.min() < 0 or t.max() >= a.shape[1]):
+        raise ValueError(f"target ids must be in [0, {a.shape[1]})")
+    m = a.max(axis=1, keepdims=True)
+    logz = (m + np.log(np.exp(a - m).sum(axis=1, keepdims=True)))[:, 0]
+    return logz - a[np.arange(t.size), t]
+
+
+def nll_per_token(logits: Any, targets: Sequence[int]) -> float:
+    """Mean negative log-likelihood per target token (nats); NaN for no targets."""
+    nll = token_nll(logits, targets)
+    return float(nll.mean()) if nll.size else math.nan
+
+
+def top1_agreement(logits_a: Any, logits_b: Any) -> float:
+    """Share of positions whose argmax token is the same under both logits (ties: lowest id); NaN if empty."""
+    a, b = _logits(logits_a), _logits(logits_b)
+    if a.shape != b.shape:
+        raise ValueError(f"logits differ in shape: {a.shape} vs {b.shape}")
+    if a.shape[0] == 0:
+        return math.nan
+    return float(np.mean(a.argmax(axis=1) == b.argmax(axis=1)))
+
+
+# -- per question ---------------------------------------------------------------------------------------
+def score_answer(answer: str, gold: Optional[str] = None, reference: Optional[str] = None) -> QuestionScores:
+    """The text metrics of one answer: ``correct`` when there is a gold answer, the agreement metrics
+    when there is a reference answer."""
+    out: QuestionScores = {}
+    if gold is not None:
+        out[CORRECT] = float(contains_gold(answer, gold))
+    if reference is not None:
+        out[AGREE_EXACT] = float(exact_match(answer, reference))
+        out[ROUGE_L] = rouge_l(answer, reference)
+    return out
+
+
+def score_logits(logits: Any, full_logits: Any, targets: Sequence[int]) -> QuestionScores:
+    """``delta_nll`` and ``top1_agreement`` of a compressed cache's logits along the reference answer
+    against the full cache's logits along the same answer."""
+    if len(targets) == 0:
+        return {}
+    return {
+        DELTA_NLL: nll_per_token(logits, targets) - nll_per_token(full_logits, targets),
+        TOP1: top1_agreement(logits, full_logits),
+    }
+
+
+def teacher_force(model, cache, question_ids: Sequence[int], answer_ids: Sequence[int]) -> np.ndarray:
+    """Logits ``[len(answer_ids), vocab]`` (fp32) predicting each answer token after the question.
+
+    Feeds the question and the answer (all but its last token, which predicts nothing we score) to the
+    model in one forward pass on top of the (compressed) context in ``cache``, then trims the cache
+    back to the context, so the same cache can score or answer the next question.
+    """
+    import mlx.core as mx
+
+    if not question_ids:
+        raise ValueError("teacher forcing needs at least one question token")
+    if not answer_ids:
+        raise ValueError("teacher forcing needs at least one answer token")
+    ids = list(question_ids) + list(answer_ids[:-1])
+    try:
+        logits = model(mx.array(ids, dtype=mx.int32)[None], cache=cache)
+        out = logits[0, len(question_ids) - 1 :, :].astype(mx.float32)
+        mx.eval(out)
+        return np.array(out)
+    finally:
+        for c in cache:
+            c.rewind()
+
+
+def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], reference_run_id: Optional[str]) -> list[dict]:
+    """Rows for ``Store.write_evaluations``: gold metrics with ``reference_run_id`` NULL, agreement metrics
+    with the reference run (dropped when there is none). NaN values are not stored."""
+    rows = []
+    for q, s in zip(result.questions, scores):
+        for metric, value in (s or {}).items():
+            ref = None if metric in GOLD_METRICS else reference_run_id
+            if (ref is None and metric not in GOLD_METRICS) or value is None or math.isnan(value):
+                continue
+            rows.append({"run_id": run_id, "doc_id": result.doc_id, "question_idx": q.question_idx,
+                         "metric": metric, "value": float(value), "reference_run_id": ref})
+    return rows

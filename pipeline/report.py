@@ -1,0 +1,229 @@
+"""Quality against compression, from a store written by ``nkv eval``: a table and a plot.
+
+One row per (model, method, head budget, compression ratio or budget): answer accuracy against gold,
+agreement with the uncompressed answer (exact, ROUGE-L), teacher-forced delta-NLL and top-1 agreement
+along the uncompressed answer, and the share of context KV bytes kept. The uncompressed reference
+(``no_press``) is the first row. When a (configuration, document, question) was evaluated more than once
+(a resumed or repeated sweep), only its latest run counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import pyarrow as pa
+
+from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, ROUGE_L, TOP1
+from pipeline.store import Store, StoreError
+
+PRESS_ORDER = ("no_press", "nestedkv", "keydiff", "knorm", "streaming_llm", "random")
+MARKDOWN_NAME = "report.md"
+PLOT_NAME = "quality_vs_ratio.png"
+MARKERS = ("o", "o", "s", "^", "D", "v", "P", "X")
+
+# Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
+QUALITY_SQL = f"""
+WITH ev AS (
+    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget,
+           e.doc_id, e.question_idx, e.metric, e.value
+    FROM evaluations e JOIN runs r ON r.run_id = e.run_id
+    QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
+                               ORDER BY r.created_at DESC, r.run_id DESC) = 1
+)
+SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
+       any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget,
+       count(DISTINCT doc_id) AS n_docs,
+       count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
+       avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
+       avg(value) FILTER (WHERE metric = '{AGREE_EXACT}') AS agree_exact,
+       avg(value) FILTER (WHERE metric = '{ROUGE_L}') AS rouge_l,
+       avg(value) FILTER (WHERE metric = '{DELTA_NLL}') AS delta_nll,
+       avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement
+FROM ev GROUP BY config_hash
+"""
+
+# Context KV bytes kept, latest run per (configuration, document), over the configurations evaluated.
+KEPT_SQL = """
+WITH docs AS (
+    SELECT r.config_hash, m.doc_id, m.content_sha256, m.run_id,
+           sum(m.bytes_kept) AS kept_bytes, sum(m.bytes_full) AS full_bytes
+    FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
+    WHERE r.run_id IN (SELECT DISTINCT run_id FROM evaluations)
+    GROUP BY r.config_hash, m.doc_id, m.content_sha256, m.run_id, r.created_at
+    QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id, m.content_sha256
+                               ORDER BY r.created_at DESC, m.run_id DESC) = 1
+)
+SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share FROM docs GROUP BY config_hash
+"""
+
+COLUMNS = [  # (key, header, format)
+    ("press", "method", "{}"),
+    ("head_budget", "head budget", "{}"),
+    ("compression_ratio", "ratio", "{:.2f}"),
+    ("n_questions", "questions", "{}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("accuracy_vs_full", "acc / full", "{:.2f}"),
+    ("agree_exact", "agree exact", "{:.3f}"),
+    ("rouge_l", "ROUGE-L", "{:.3f}"),
+    ("delta_nll", "delta NLL", "{:+.3f}"),
+    ("top1_agreement", "top-1 agree", "{:.3f}"),
+    ("kept_share", "KV kept", "{:.3f}"),
+]
+
+
+@dataclass
+class Report:
+    rows: list[dict]  # numeric, one per configuration, reference first
+    table: pa.Table  # the same, formatted as strings for display
+    markdown: str
+    markdown_path: Optional[Path] = None
+    plot_path: Optional[Path] = None
+
+
+def _order(row: dict) -> tuple:
+    press = row["press"]
+    rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER)
+    return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
+            row["budget"] or 0, row["compression_ratio"])
+
+
+def quality_rows(store: Store) -> list[dict]:
+    """One numeric row per evaluated configuration, ordered: reference, nestedkv, baselines; ratio up."""
+    rows = store.query(QUALITY_SQL).to_pylist()
+    if not rows:
+        raise StoreError(f"{store.path}: no evaluations stored; run `nkv eval --db {store.path}` first")
+    kept = {r["config_hash"]: r["kept_share"] for r in store.query(KEPT_SQL).to_pylist()}
+    full_acc = {r["model"]: r["accuracy"] for r in rows if r["press"] == "no_press"}
+    for r in rows:
+        r["kept_share"] = kept.get(r["config_hash"])
+        ref = full_acc.get(r["model"])
+        r["accuracy_vs_full"] = r["accuracy"] / ref if ref and r["accuracy"] is not None else None
+    return sorted(rows, key=_order)
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    cols = list(COLUMNS)
+    if len({r["model"] for r in rows}) > 1:
+        cols.insert(0, ("model", "model", "{}"))
+    if any(r["budget"] for r in rows):
+        cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("budget", "budget", "{}"))
+    return cols
+
+
+def display_table(rows: list[dict]) -> pa.Table:
+    cols = _columns(rows)
+    return pa.table({header: [_fmt(r.get(key), fmt) for r in rows] for key, header, fmt in cols})
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = _columns(rows)
+    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
+             "|" + "|".join("---" if k in ("press", "head_budget", "model") else "---:" for k, _, _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k), f) for k, _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
+    models = sorted({r["model"] for r in rows})
+    n_docs = max(r["n_docs"] for r in rows)
+    n_q = max(r["n_questions"] or 0 for r in rows)
+    return "\n".join([
+        "# Quality against compression",
+        "",
+        f"Store `{db}`; model {', '.join(f'`{m}`' for m in models)}; {n_docs} documents, {n_q} questions "
+        "per configuration; each document prefilled once, every configuration compressed from a copy of "
+        "that cache (`nkv eval`).",
+        "",
+        markdown_table(rows),
+        "",
+        "- **ratio**: fraction of context KV entries removed; **KV kept**: kept context KV bytes over the "
+        "uncompressed context's (logical bytes; adaptive head budgets pad shorter heads in memory).",
+        "- **accuracy**: share of answers containing the gold answer (case, punctuation and whitespace "
+        "folded); **acc / full**: accuracy over the `no_press` accuracy.",
+        "- **agree exact**, **ROUGE-L**: the answer against the `no_press` answer to the same question.",
+        "- **delta NLL** (nats per token, lower is better) and **top-1 agree**: teacher-forced along the "
+        "`no_press` answer, compressed cache against full cache.",
+        f"- With {n_q} questions the standard error of an accuracy near 0.5 is about "
+        f"{_se(0.5, n_q):.2f}; differences smaller than about twice that are within noise.",
+        "",
+    ])
+
+
+def _se(p: float, n: int) -> float:
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def _num(v) -> float:
+    return math.nan if v is None else float(v)
+
+
+def _label(row: dict) -> str:
+    return row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})"
+
+
+def plot(rows: list[dict], path: Union[str, Path]) -> Path:
+    """Accuracy and delta-NLL against compression ratio, one line per method (and head-budget mode)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+
+    path = Path(path)
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax_acc, ax_nll = fig.subplots(1, 2)
+    multi = len({r["model"] for r in rows}) > 1
+    lines: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["press"] == "no_press" or r["budget"]:
+            continue  # the reference is a horizontal line; absolute budgets have no ratio to plot against
+        lines.setdefault(f"{r['model']}: {_label(r)}" if multi else _label(r), []).append(r)
+    for name, pts in lines.items():
+        pts = sorted(pts, key=lambda x: x["compression_ratio"])
+        xs = [p["compression_ratio"] for p in pts]
+        press = pts[0]["press"]
+        rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER) + len(lines)
+        style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{rank - 1}", "label": name,
+                 "linestyle": "--" if pts[0]["head_budget"] == "adaptive" else "-",
+                 "linewidth": 2.5 if press == "nestedkv" else 1.5}
+        ax_acc.plot(xs, [_num(p["accuracy"]) for p in pts], **style)
+        ax_nll.plot(xs, [_num(p["delta_nll"]) for p in pts], **style)
+    for r in rows:
+        if r["press"] == "no_press" and r["accuracy"] is not None:
+            ax_acc.axhline(r["accuracy"], color="black", linestyle=":", linewidth=1.2,
+                           label=f"no_press ({r['accuracy']:.2f})")
+    ax_nll.axhline(0.0, color="black", linestyle=":", linewidth=1.2, label="no_press (0)")
+    ax_acc.set(title="Answer accuracy (gold contained)", xlabel="compression ratio (fraction removed)",
+               ylabel="accuracy", ylim=(-0.02, 1.02))
+    ax_nll.set(title="Delta NLL of the no_press answer (teacher-forced)", xlabel="compression ratio (fraction removed)",
+               ylabel="nats / token vs full cache")
+    for ax in (ax_acc, ax_nll):
+        ax.grid(True, alpha=0.3)
+    ax_acc.legend(fontsize=8, loc="lower left")
+    ax_nll.legend(fontsize=8, loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def build_report(db: Union[str, Path]) -> Report:
+    with Store(db, read_only=True) as store:
+        rows = quality_rows(store)
+    return Report(rows, display_table(rows), to_markdown(rows, db))
+
+
+def write_report(db: Union[str, Path], out: Union[str, Path]) -> Report:
+    """``out/report.md`` and ``out/quality_vs_ratio.png`` from the evaluations in ``db``."""
+    rep = build_report(db)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rep.markdown_path = out / MARKDOWN_NAME
+    rep.markdown_path.write_text(rep.markdown)
+    rep.plot_path = plot(rep.rows, out / PLOT_NAME)
+    return rep

@@ -1,0 +1,108 @@
+"""``nkv eval`` then ``nkv report`` on a tiny random model: the table, the markdown and the PNG plot."""
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import pytest
+from tiny import TINY_NAME, sample_docs, use_tiny_model, write_batch
+from typer.testing import CliRunner
+
+from flows.cli import app
+from pipeline.config import RunConfig
+from pipeline.report import build_report, markdown_table, write_report
+from pipeline.store import Store, StoreError
+from pipeline.sweep import run_sweep, sweep_configs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def evaluated(tmp_path, monkeypatch):
+    with use_tiny_model(monkeypatch):
+        batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 400))
+        base = RunConfig(task="qa", model=TINY_NAME, press="no_press", compression_ratio=0.0, max_new_tokens=5,
+                         prefill_step_size=128)
+        cfgs = sweep_configs(base, ["nestedkv", "keydiff", "random"], [0.5, 0.9], ["uniform", "adaptive"])
+        db = tmp_path / "eval.duckdb"
+        run_sweep(batch, cfgs, db, evaluate=True, batch_decode=True)
+        yield db, cfgs
+
+
+def test_report_table_rows_and_values(evaluated):
+    db, cfgs = evaluated
+    rep = build_report(db)
+    got = [(r["press"], r["head_budget"], r["compression_ratio"]) for r in rep.rows]
+    assert got == [
+        ("no_press", "uniform", 0.0),
+        ("nestedkv", "uniform", 0.5), ("nestedkv", "uniform", 0.9),
+        ("nestedkv", "adaptive", 0.5), ("nestedkv", "adaptive", 0.9),
+        ("keydiff", "uniform", 0.5), ("keydiff", "uniform", 0.9),
+        ("random", "uniform", 0.5), ("random", "uniform", 0.9),
+    ]
+    ref, rows = rep.rows[0], rep.rows[1:]
+    assert ref["n_questions"] == 4 and ref["kept_share"] == pytest.approx(1.0)
+    assert ref["agree_exact"] is None and ref["delta_nll"] is None  # the reference is not scored against itself
+    for r in rows:
+        assert r["n_questions"] == 4 and r["n_docs"] == 2
+        assert 0.0 <= r["rouge_l"] <= 1.0 and 0.0 <= r["top1_agreement"] <= 1.0
+        # uniform budgets keep floor((1 - r) * N) rows per head; adaptive ones the same total per layer
+        assert r["kept_share"] == pytest.approx(1 - r["compression_ratio"], abs=0.02)
+    # the markdown and the display table carry one line per configuration
+    md = markdown_table(rep.rows)
+    assert md.count("\n") == 1 + len(rep.rows)
+    assert rep.table.num_rows == len(rep.rows) and "accuracy" in rep.table.column_names
+
+
+def test_write_report_produces_markdown_and_png(evaluated, tmp_path):
+    db, _ = evaluated
+    out = tmp_path / "reports"
+    rep = write_report(db, out)
+    assert rep.markdown_path == out / "report.md" and rep.plot_path == out / "quality_vs_ratio.png"
+    text = rep.markdown_path.read_text()
+    assert text.startswith("# Quality against compression")
+    assert "| method | head budget | ratio |" in text and "| nestedkv | adaptive | 0.90 |" in text
+    png = rep.plot_path.read_bytes()
+    assert png[:8] == PNG_MAGIC and len(png) > 10_000
+
+
+def test_latest_evaluation_wins_when_a_configuration_is_evaluated_twice(evaluated):
+    db, _ = evaluated
+    before = {(r["press"], r["head_budget"], r["compression_ratio"]): r for r in build_report(db).rows}
+    with Store(db) as s:  # a later run of the same configuration re-scored every nestedkv answer as wrong
+        cfg = RunConfig(task="qa", model=TINY_NAME, press="nestedkv", compression_ratio=0.5, max_new_tokens=5,
+                        prefill_step_size=128)
+        old = s.query("SELECT e.* FROM evaluations e JOIN runs r USING (run_id) WHERE r.config_hash = ?",
+                      [cfg.config_hash()]).to_pylist()
+        run_id = s.start_run(cfg, "again")
+        s.write_evaluations([{**e, "run_id": run_id, "value": 0.0} for e in old if e["metric"] == "correct"])
+    after = {(r["press"], r["head_budget"], r["compression_ratio"]): r for r in build_report(db).rows}
+    assert after[("nestedkv", "uniform", 0.5)]["accuracy"] == 0.0
+    assert after[("nestedkv", "uniform", 0.5)]["n_questions"] == 4  # replaced, not added
+    assert after[("keydiff", "uniform", 0.5)] == before[("keydiff", "uniform", 0.5)]
+
+
+def test_report_on_a_store_without_evaluations_says_so(tmp_path):
+    db = tmp_path / "empty.duckdb"
+    Store(db).close()
+    with pytest.raises(StoreError, match="nkv eval"):
+        build_report(db)
+
+
+def test_cli_eval_then_report(tmp_path, monkeypatch):
+    with use_tiny_model(monkeypatch):
+        batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 300))
+        db, out = tmp_path / "cli.duckdb", tmp_path / "out"
+        cli = CliRunner()
+        res = cli.invoke(app, ["eval", "--input", batch, "--press", "nestedkv,knorm", "--compression-ratio", "0.5,0.75",
+                               "--head-budget", "uniform,adaptive", "--db", str(db), "--model", TINY_NAME,
+                               "--max-new-tokens", "4"])
+        assert res.exit_code == 0, res.output
+        with Store(db, read_only=True) as s:
+            runs = s.query("SELECT press, head_budget, compression_ratio, max_new_tokens, task FROM runs").to_pylist()
+        assert len(runs) == 1 + 4 + 2 and all(r["task"] == "qa" and r["max_new_tokens"] == 4 for r in runs)
+        assert sum(r["head_budget"] == "adaptive" for r in runs) == 2  # nestedkv only
+        res = cli.invoke(app, ["report", "--db", str(db), "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert (out / "report.md").is_file() and (out / "quality_vs_ratio.png").read_bytes()[:8] == PNG_MAGIC
+        # a missing store is a one-line error, exit 2
+        res = cli.invoke(app, ["report", "--db", str(tmp_path / "nope.duckdb"), "--out", str(out)])
+        assert res.exit_code == 2 and "no such database" in " ".join(res.output.split())
