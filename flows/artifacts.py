@@ -1,0 +1,117 @@
+"""Prefect artifacts of a flow run: progress per document, memory-savings tables, a markdown report.
+
+Reporting never fails a batch: an artifact the API refuses is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import math
+import re
+from typing import Any, Iterable, Optional
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from pipeline.store import Store
+
+SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "n_documents",
+                   "kept_share", "saved_share", "resident_share", "saved_mib")
+LAYER_COLUMNS = ("layer", "tokens_seen", "kept_min", "kept_max", "kept_mean", "kept_share", "saved_share",
+                 "resident_share", "saved_mib")
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]", "-", "-".join(parts).lower())).strip("-")
+
+
+def _safe(what: str, fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:  # an artifact is a report, not part of the work
+        get_run_logger().warning("could not write the %s artifact: %s: %s", what, type(exc).__name__, exc)
+        return None
+
+
+def _plain(v: Any) -> Any:
+    # DuckDB sums of BIGINT arrive as Decimal; artifacts are JSON.
+    if isinstance(v, decimal.Decimal):
+        return int(v) if v == v.to_integral_value() else float(v)
+    if isinstance(v, float):
+        return None if math.isnan(v) else round(v, 4)
+    if isinstance(v, (dt.datetime, dt.date)):
+        return v.isoformat()
+    return v
+
+
+class ProgressReport:
+    """One progress artifact per flow run, updated after every document."""
+
+    def __init__(self, key: str, total: int, description: str):
+        self.total, self.description = total, description
+        self.id: Optional[UUID] = _safe(
+            "progress", create_progress_artifact, progress=100.0 if total == 0 else 0.0, key=key,
+            description=f"{description}: 0/{total}",
+        )
+
+    def update(self, done: int, note: str = "") -> None:
+        if self.id is None or self.total == 0:
+            return
+        text = f"{self.description}: {done}/{self.total}" + (f" (last: {note})" if note else "")
+        _safe("progress", update_progress_artifact, self.id, progress=100.0 * done / self.total, description=text)
+
+
+def savings_rows(store: Store, run_ids: Iterable[str]) -> list[dict]:
+    ids = list(run_ids)
+    if not ids:
+        return []
+    rows = store.query(
+        f"SELECT {', '.join(SAVINGS_COLUMNS)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
+        "ORDER BY press, compression_ratio, head_budget, budget",
+        [ids],
+    ).to_pylist()
+    return [{k: _plain(v) for k, v in r.items()} for r in rows]
+
+
+def layer_rows(store: Store, run_id: str) -> list[dict]:
+    rows = store.query(
+        f"SELECT {', '.join(LAYER_COLUMNS)} FROM layer_savings WHERE run_id = ? ORDER BY layer", [run_id]
+    ).to_pylist()
+    return [{k: _plain(v) for k, v in r.items()} for r in rows]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "_no rows_\n"
+    cols = list(rows[0])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join("" if r[c] is None else str(r[c]).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(out) + "\n"
+
+
+def publish_tables(store: Store, flow_name: str, run_ids: list[str]) -> tuple[list[dict], list[dict]]:
+    """Table artifacts: memory savings per run, and per layer for the last run. Returns both row lists."""
+    savings = savings_rows(store, run_ids)
+    layers = layer_rows(store, run_ids[-1]) if run_ids else []
+    if savings:
+        _safe("savings table", create_table_artifact, table=savings, key=artifact_key(flow_name, "memory-savings"),
+              description="KV memory saved per run (bytes_kept / bytes_full over all layers and documents)")
+    if layers:
+        _safe("layer table", create_table_artifact, table=layers, key=artifact_key(flow_name, "layer-savings"),
+              description=f"KV memory saved per layer, run {run_ids[-1]}")
+    return savings, layers
+
+
+def publish_report(flow_name: str, title: str, sections: list[tuple[str, str]]) -> None:
+    body = f"# {title}\n\n" + "\n".join(f"## {head}\n\n{text}\n" for head, text in sections)
+    _safe("report", create_markdown_artifact, markdown=body, key=artifact_key(flow_name, "report"),
+          description=title)

@@ -1,0 +1,90 @@
+"""Scheduled deployments of the batch flows (``nkv serve``).
+
+Serving needs a Prefect server that outlives this process, so unlike a local flow run it never starts
+Prefect's temporary one: without ``PREFECT_API_URL`` pointing at a live server it stops with one line.
+Scale-out: the same flows run from a process work pool, one worker per Mac (``--limit 1``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from flows.batch import FLOWS, BatchOptions
+
+LOCAL_API = "http://127.0.0.1:4200/api"
+
+
+class ServerUnavailable(RuntimeError):
+    pass
+
+
+def _absolute(path: str) -> str:
+    # Flow runs start in their own process, maybe elsewhere: pin paths where they exist, keep model names.
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() or p.parent.exists() and p.suffix else path
+
+
+def check_server(timeout: float = 3.0) -> str:
+    """The configured API URL, once it answers; ``ServerUnavailable`` (one line) otherwise."""
+    import httpx
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    hint = f"start one with `prefect server start` and set PREFECT_API_URL={LOCAL_API}"
+    if not url:
+        raise ServerUnavailable(f"no Prefect server configured (PREFECT_API_URL is unset): {hint}")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ServerUnavailable(f"the Prefect server at {url} is not answering ({type(exc).__name__}): {hint}") from None
+    return url
+
+
+def batch_parameters(input: str, press: str, compression_ratio: float, budget: Optional[int], head_budget: str,
+                     model: str, db: str, options: Optional[BatchOptions] = None) -> dict:
+    return {
+        "input": _absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
+        "head_budget": head_budget, "model": _absolute(model), "db": _absolute(db),
+        "options": (options or BatchOptions()).model_dump(),
+    }
+
+
+def _deployment(task: str, name: str, cron: Optional[str], params: dict):
+    from prefect.deployments.runner import EntrypointType
+
+    return FLOWS[task].to_deployment(
+        name=name,
+        cron=cron,
+        parameters=batch_parameters(**params),
+        # Import by module path: the package is installed, so a runner or worker finds it from any directory.
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        description=f"Scheduled {task} batch with NestedKV KV-cache compression",
+        tags=["nestedkv"],
+    )
+
+
+def serve_batch(task: str = "summarize", *, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
+                **params) -> None:
+    """Serve ``summarize-batch/<name>`` (or ``qa-batch/<name>``) on a cron schedule until interrupted.
+
+    One flow run at a time per serving process: each run loads the model and holds the DuckDB writer.
+    """
+    from prefect import serve
+
+    check_server()
+    serve(_deployment(task, name, cron, params), limit=1)
+
+
+def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
+                 **params) -> str:
+    """Register the deployment in a work pool (``prefect work-pool create <pool> --type process``) and return
+    its id; workers started with ``prefect worker start --pool <pool> --limit 1`` (one per Mac, each with
+    this package installed) run it. Each run writes to ``db`` on the machine that runs it."""
+    from prefect import deploy
+
+    check_server()
+    # ignore_warnings: Prefect suggests .serve for process pools; a pool is the point here (one worker per Mac).
+    (deployment_id,) = deploy(_deployment(task, name, cron, params), work_pool_name=pool, build=False, push=False,
+                              print_next_steps_message=False, ignore_warnings=True)
+    return str(deployment_id)
