@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows import artifacts
 from pipeline.batch import BatchSummary, make_runner, open_run, process_document
-from pipeline.config import DEFAULT_MODEL, SUMMARY_INSTRUCTION, HeadBudget, RunConfig, Task
+from pipeline.config import DEFAULT_MODEL, QA_INSTRUCTION, SUMMARY_INSTRUCTION, HeadBudget, RunConfig, Task
 from pipeline.documents import Document, load_documents
 from pipeline.results import ERROR, OK, DocumentResult
 from pipeline.store import Store
@@ -44,11 +44,13 @@ class BatchOptions(BaseModel):
     prefill_step_size: int = Field(512, ge=1)
     truncate: bool = False
     summary_instruction: str = SUMMARY_INSTRUCTION
+    qa_instruction: str = QA_INSTRUCTION
     retries: int = Field(2, ge=0, description="task retries for transient errors (device memory, I/O)")
     retry_delay_s: float = Field(5.0, ge=0)
 
     def config_fields(self) -> dict:
-        return self.model_dump(include={"max_new_tokens", "prefill_step_size", "truncate", "summary_instruction"})
+        fields = {"max_new_tokens", "prefill_step_size", "truncate", "summary_instruction", "qa_instruction"}
+        return self.model_dump(include=fields)
 
 
 # -- in-process state: one model, one writer, one parsed input per worker process ----------------

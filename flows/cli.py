@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-from pipeline.config import DEFAULT_MODEL, SUMMARY_INSTRUCTION, RunConfig
+from pipeline.config import DEFAULT_MODEL, QA_INSTRUCTION, SUMMARY_INSTRUCTION, RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
 console = Console(stderr=True)
@@ -100,6 +100,7 @@ def run(
     prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
     truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
     summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
+    qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
     retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
 ):
     """Run a batch of documents through the Prefect flow and store outputs and per-layer KV memory."""
@@ -108,12 +109,12 @@ def run(
     config = make_config(
         task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
         head_budget=head_budget, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-        truncate=truncate, summary_instruction=summary_instruction,
+        truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction,
     )
     check_input_early(input)
     exit_on_sigterm()
     options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, retries=retries)
+                           summary_instruction=summary_instruction, qa_instruction=qa_instruction, retries=retries)
     with user_errors(), progress_bars() as bars:
         docs_bar = bars.add_task("documents", total=None)
         chunk_bar = bars.add_task("prefill", total=None)
@@ -181,6 +182,7 @@ def sweep(
     prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
     truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
     summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
+    qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
     retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
 ):
@@ -195,9 +197,9 @@ def sweep(
     budgets = split_list(budget, int, "--budget") if budget else None
     modes = split_list(head_budget, str, "--head-budget")
     make_config(task=task, model=model, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-                truncate=truncate, summary_instruction=summary_instruction)
+                truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction)
     options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, retries=retries)
+                           summary_instruction=summary_instruction, qa_instruction=qa_instruction, retries=retries)
     try:
         configs = configs_for(task, model, presses, ratios, modes, budgets, options)
     except ValidationError as exc:

@@ -14,6 +14,9 @@ HeadBudget = Literal["uniform", "adaptive"]
 
 DEFAULT_MODEL = "smollm2-135m"
 SUMMARY_INSTRUCTION = "Summarize the document above in 3 sentences."
+# Asking for a phrase copied from the document made SmolLM2-135M answer 7 of the 8 sample-batch
+# questions without compression, against 5 of 8 for "answer in a few words".
+QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from the document."
 
 
 class RunConfig(BaseModel):
@@ -31,6 +34,14 @@ class RunConfig(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     truncate: bool = False
     summary_instruction: str = SUMMARY_INSTRUCTION
+    qa_instruction: str = QA_INSTRUCTION
+
+    @field_validator("qa_instruction")
+    @classmethod
+    def _has_question_slot(cls, v: str) -> str:
+        if "{question}" not in v:
+            raise ValueError("qa_instruction must contain the placeholder {question}")
+        return v
 
     @field_validator("press")
     @classmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QA_INSTRUCTION = "Answer the question about the document above in a few words.\nQuestion: {question}"
 # A marker no document contains; the rendered template is cut there.
 _SPLIT = "\u241eNKV-QUESTION\u241e"
 
@@ -20,12 +19,13 @@ class PromptParts:
     question: str  # the instruction/question and the assistant header: appended after compression
 
 
-def question_text(task: str, question: str | None, summary_instruction: str) -> str:
-    if task == "summarize":
-        return summary_instruction
+def question_text(config, question: str | None) -> str:
+    """The text appended after the compressed context, from the run's instruction templates."""
+    if config.task == "summarize":
+        return config.summary_instruction
     if not question:
         raise ValueError("a qa prompt needs a question")
-    return QA_INSTRUCTION.format(question=question)
+    return config.qa_instruction.replace("{question}", question)
 
 
 def build_prompt(tokenizer, document: str, instruction: str) -> PromptParts:

@@ -71,7 +71,7 @@ class Runner:
         else:
             asked = [None]
         golds = list(doc.answers or []) + [None] * len(asked)
-        parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg.task, q, cfg.summary_instruction)) for q in asked]
+        parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg, q)) for q in asked]
         context_ids = encode(self.tokenizer, parts[0].context)
         questions = [
             (q if q is not None else cfg.summary_instruction, encode(self.tokenizer, p.question), g)

@@ -106,3 +106,12 @@ def test_summarize_asks_one_instruction():
     res = make_runner(task="summarize").run(doc())
     assert res.status == OK
     assert [q.question for q in res.questions] == [RunConfig().summary_instruction]
+
+
+def test_qa_instruction_is_part_of_the_configuration():
+    a, b = RunConfig(task="qa"), RunConfig(task="qa", qa_instruction="Q: {question}\nA:")
+    assert a.config_hash() != b.config_hash()
+    res = Runner(tiny_model(), ByteTokenizer(), b.model_copy(update={"model": "tiny", "max_new_tokens": 2})).run(doc())
+    assert res.questions[0].n_question_tokens == len("Q: Who jumps?\nA:".encode()) + len("\nAnswer:".encode())
+    with pytest.raises(ValueError, match="question"):
+        RunConfig(qa_instruction="no placeholder")
