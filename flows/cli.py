@@ -29,7 +29,8 @@ DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file")
 
 
 def fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    # soft_wrap: one line even when stderr is not a terminal (rich would wrap at 80 columns).
+    console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -276,9 +277,7 @@ def serve(
             check_input_early(input)  # runs start here, so the input must be here
             serve_batch(config.task, **params)
     except ServerUnavailable as exc:
-        # soft_wrap: one line even in a narrow or non-terminal stderr (scripts grep it)
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+        fail(str(exc))
 
 
 @app.command()
