@@ -45,11 +45,13 @@ class BatchOptions(BaseModel):
     truncate: bool = False
     summary_instruction: str = SUMMARY_INSTRUCTION
     qa_instruction: str = QA_INSTRUCTION
+    repetition_penalty: Optional[float] = Field(None, gt=0)
     retries: int = Field(2, ge=0, description="task retries for transient errors (device memory, I/O)")
     retry_delay_s: float = Field(5.0, ge=0)
 
     def config_fields(self) -> dict:
-        fields = {"max_new_tokens", "prefill_step_size", "truncate", "summary_instruction", "qa_instruction"}
+        fields = {"max_new_tokens", "prefill_step_size", "truncate", "summary_instruction", "qa_instruction",
+                  "repetition_penalty"}
         return self.model_dump(include=fields)
 
 

@@ -102,6 +102,8 @@ def run(
     truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
     summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
     qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, "--repetition-penalty", help="default 1.1 for summaries, none for qa; 1.0 disables"),
     retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
 ):
     """Run a batch of documents through the Prefect flow and store outputs and per-layer KV memory."""
@@ -111,11 +113,13 @@ def run(
         task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
         head_budget=head_budget, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
         truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+        repetition_penalty=repetition_penalty,
     )
     check_input_early(input)
     exit_on_sigterm()
     options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, qa_instruction=qa_instruction, retries=retries)
+                           summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+                           repetition_penalty=repetition_penalty, retries=retries)
     with user_errors(), progress_bars() as bars:
         docs_bar = bars.add_task("documents", total=None)
         chunk_bar = bars.add_task("prefill", total=None)
@@ -184,6 +188,8 @@ def sweep(
     truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
     summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
     qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, "--repetition-penalty", help="default 1.1 for summaries, none for qa; 1.0 disables"),
     retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
 ):
@@ -198,9 +204,11 @@ def sweep(
     budgets = split_list(budget, int, "--budget") if budget else None
     modes = split_list(head_budget, str, "--head-budget")
     make_config(task=task, model=model, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-                truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction)
+                truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+                repetition_penalty=repetition_penalty)
     options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, qa_instruction=qa_instruction, retries=retries)
+                           summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+                           repetition_penalty=repetition_penalty, retries=retries)
     try:
         configs = configs_for(task, model, presses, ratios, modes, budgets, options)
     except ValidationError as exc:

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
 
 import nestedkv
 from pipeline.config import RunConfig
@@ -60,6 +61,12 @@ class Runner:
         self.max_context = max_context
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
+        penalty = config.repetition_penalty
+        self.logits_processors = (
+            make_logits_processors(repetition_penalty=penalty, repetition_context_size=64)
+            if penalty and penalty != 1.0
+            else None
+        )
 
     # -- preparation ------------------------------------------------------------------------
     def prepare(self, doc: Document) -> PreparedDocument:
@@ -170,6 +177,7 @@ class Runner:
                 max_tokens=self.config.max_new_tokens,
                 prompt_cache=cache,
                 prefill_step_size=self.config.prefill_step_size,
+                logits_processors=self.logits_processors,
             ):
                 token = int(token)
                 if token in self.eos:

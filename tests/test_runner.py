@@ -115,3 +115,12 @@ def test_qa_instruction_is_part_of_the_configuration():
     assert res.questions[0].n_question_tokens == len("Q: Who jumps?\nA:".encode()) + len("\nAnswer:".encode())
     with pytest.raises(ValueError, match="question"):
         RunConfig(qa_instruction="no placeholder")
+
+
+def test_summaries_default_to_a_mild_repetition_penalty_and_qa_to_plain_greedy():
+    assert RunConfig(task="summarize").repetition_penalty == 1.1
+    assert RunConfig(task="qa").repetition_penalty is None
+    assert RunConfig(task="summarize", repetition_penalty=1.0).repetition_penalty == 1.0
+    assert make_runner(task="summarize").logits_processors
+    assert make_runner(task="qa").logits_processors is None
+    assert make_runner(task="summarize", repetition_penalty=1.0).logits_processors is None
