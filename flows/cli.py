@@ -17,6 +17,9 @@ from pipeline.config import DEFAULT_MODEL, QA_INSTRUCTION, SUMMARY_INSTRUCTION, 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
 console = Console(stderr=True)
+# Tables go to stdout; piped output gets a wide console instead of rich's 80-column default.
+out_console = Console(width=None if sys.stdout.isatty() else 160)
+SAVINGS_COLUMNS = "run_id, press, compression_ratio, head_budget, budget, n_documents, kept_share, saved_share, saved_mib"
 DEFAULT_DB = "runs.duckdb"
 
 # kvpress users' spellings work beside ours.
@@ -80,11 +83,14 @@ def print_table(table, fmt: str = "table", title: Optional[str] = None) -> None:
         pacsv.write_csv(table, sys.stdout.buffer)
         return
     out = Table(title=title, show_lines=False)
-    for name in table.column_names:
-        out.add_column(name, overflow="fold")
-    for row in rows:
-        out.add_row(*("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
-    Console().print(out)
+    cells = [["" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+    for i, name in enumerate(table.column_names):
+        # Short columns (ids, numbers) never wrap; long text folds.
+        widest = max([len(name)] + [len(c[i]) for c in cells])
+        out.add_column(name, overflow="fold", min_width=min(widest, 28))
+    for c in cells:
+        out.add_row(*c)
+    out_console.print(out)
 
 
 @app.command()
@@ -146,7 +152,7 @@ def run(
         from pipeline.store import Store
 
         with Store(db, read_only=True) as store:
-            print_table(store.query("SELECT * FROM memory_savings WHERE run_id = ?", [summary.run_id]),
+            print_table(store.query(f"SELECT {SAVINGS_COLUMNS} FROM memory_savings WHERE run_id = ?", [summary.run_id]),
                         title="memory savings")
 
 
@@ -240,7 +246,7 @@ def sweep(
 
             with Store(db, read_only=True) as store:
                 print_table(store.query(
-                    "SELECT * FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
+                    f"SELECT {SAVINGS_COLUMNS} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
                     "ORDER BY press, compression_ratio, head_budget", [run_ids]), title="memory savings")
 
 
@@ -386,7 +392,7 @@ def models():
         out.add_column(k, overflow="fold")
     for r in rows:
         out.add_row(*(str(r.get(k, "")) for k in keys))
-    Console().print(out)
+    out_console.print(out)
 
 
 @app.command()
