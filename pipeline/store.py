@@ -348,18 +348,7 @@ class Store:
             for e in errors
         ])
 
-        def work() -> None:
-            self.con.register("_new_errors", data)
-            try:
-                self.con.execute(
-                    "DELETE FROM input_errors e USING _new_errors n WHERE e.run_id = n.run_id "
-                    "AND e.source = n.source AND e.row_number = n.row_number"
-                )
-            finally:
-                self.con.unregister("_new_errors")
-            self._insert("input_errors", data)
-
-        self._transaction(work)
+        self._replace("input_errors", data, "e.run_id = n.run_id AND e.source = n.source AND e.row_number = n.row_number")
 
     def write_evaluations(self, rows: Union[pa.Table, Iterable[Mapping[str, Any]]]) -> None:
         """Evaluation rows (dicts or an Arrow table with the ``evaluations`` columns); re-writing replaces."""
@@ -370,18 +359,24 @@ class Store:
         ])
         data = data.cast(pa.schema([(c, t[1]) for c, t in TABLES["evaluations"]]))
 
+        self._replace(
+            "evaluations", data,
+            "e.run_id = n.run_id AND e.doc_id = n.doc_id AND e.metric = n.metric "
+            "AND e.question_idx IS NOT DISTINCT FROM n.question_idx "
+            "AND e.reference_run_id IS NOT DISTINCT FROM n.reference_run_id",
+        )
+
+    def _replace(self, table: str, data: pa.Table, match: str) -> None:
+        """In one transaction, delete the rows ``data`` replaces (``match`` relates old ``e`` to new ``n``)
+        and insert ``data``: re-writing the same rows never duplicates them."""
+
         def work() -> None:
-            self.con.register("_new_evals", data)
+            self.con.register("_new_rows", data)
             try:
-                self.con.execute(
-                    "DELETE FROM evaluations e USING _new_evals n WHERE e.run_id = n.run_id "
-                    "AND e.doc_id = n.doc_id AND e.metric = n.metric "
-                    "AND e.question_idx IS NOT DISTINCT FROM n.question_idx "
-                    "AND e.reference_run_id IS NOT DISTINCT FROM n.reference_run_id"
-                )
+                self.con.execute(f"DELETE FROM {table} e USING _new_rows n WHERE {match}")
             finally:
-                self.con.unregister("_new_evals")
-            self._insert("evaluations", data)
+                self.con.unregister("_new_rows")
+            self._insert(table, data)
 
         self._transaction(work)
 
