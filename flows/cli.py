@@ -115,17 +115,14 @@ def run(
     """Run a batch of documents through the Prefect flow and store outputs and per-layer KV memory."""
     from flows.batch import FLOWS, BatchOptions, reporting
 
-    config = make_config(
-        task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-        head_budget=head_budget, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-        truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-        repetition_penalty=repetition_penalty,
-    )
+    generation = dict(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
+                      summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+                      repetition_penalty=repetition_penalty)
+    config = make_config(task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
+                         head_budget=head_budget, **generation)
     check_input_early(input)
     exit_on_sigterm()
-    options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-                           repetition_penalty=repetition_penalty, retries=retries)
+    options = BatchOptions(**generation, retries=retries)
     with user_errors(), progress_bars() as bars:
         docs_bar = bars.add_task("documents", total=None)
         chunk_bar = bars.add_task("prefill", total=None)
@@ -209,12 +206,11 @@ def sweep(
     ratios = split_list(compression_ratio, float, "--compression-ratio")
     budgets = split_list(budget, int, "--budget") if budget else None
     modes = split_list(head_budget, str, "--head-budget")
-    make_config(task=task, model=model, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-                truncate=truncate, summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-                repetition_penalty=repetition_penalty)
-    options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-                           repetition_penalty=repetition_penalty, retries=retries)
+    generation = dict(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
+                      summary_instruction=summary_instruction, qa_instruction=qa_instruction,
+                      repetition_penalty=repetition_penalty)
+    make_config(task=task, model=model, **generation)
+    options = BatchOptions(**generation, retries=retries)
     try:
         configs = configs_for(task, model, presses, ratios, modes, budgets, options)
     except ValidationError as exc:
