@@ -335,6 +335,7 @@ def eval_(
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         fail(f"invalid options: {exc}")
     check_input_early(input)
+    exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     console.print(f"{len(configs) - 1} configurations + the no_press reference, one prefill per document")
     with user_errors(), progress_bars() as bars:
         docs_bar = bars.add_task("documents", total=None)
@@ -351,8 +352,9 @@ def eval_(
         def on_document(i, n, doc, items):
             bars.update(docs_bar, completed=i, total=n, description=f"documents ({doc.doc_id})")
 
-        summary = run_sweep(input, configs, db, evaluate=True, batch_decode=batch_decode, on_start=on_start, on_document=on_document,
-                            on_config=on_config, on_prefill=lambda d, t: bars.update(chunk_bar, completed=d, total=t))
+        summary = run_sweep(input, configs, db, evaluate=True, batch_decode=batch_decode, on_start=on_start,
+                            on_document=on_document, on_config=on_config,
+                            on_prefill=lambda d, t: bars.update(chunk_bar, completed=d, total=t))
     for err in summary.input_errors:
         console.print(f"[yellow]skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}")
     console.print(

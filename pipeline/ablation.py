@@ -36,9 +36,13 @@ VARIANTS: dict[str, Callable[[float], BasePress]] = {
     "block only": lambda r: NestedKVPress(compression_ratio=r, scales=(False, True, False)),
     "window only": lambda r: NestedKVPress(compression_ratio=r, scales=(False, False, True)),
     "stable+block": lambda r: NestedKVPress(compression_ratio=r, scales=(True, True, False)),
+    "stable+window": lambda r: NestedKVPress(compression_ratio=r, scales=(True, False, True)),
+    "block+window": lambda r: NestedKVPress(compression_ratio=r, scales=(False, True, True)),
     "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+    "keydiff adaptive": lambda r: KeyDiffPress(compression_ratio=r, head_budget="adaptive"),
 }
-METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)
+GOLD_KEPT = "gold_kept"  # share of the gold answer's context tokens kept, over layers and KV heads
+METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_KEPT)
 
 
 def ablate(
@@ -77,19 +81,23 @@ def ablate(
         reference = _Reference.build(runner, prepared, ref_res, ref_cache)
         for k, s in enumerate(reference.own_scores(ref_res)):
             per_q[("no_press", 0.0, doc.doc_id, k)] = s
+        spans = gold_spans(runner.tokenizer, prepared.context_ids, doc.answers or [])
         caches, results = {}, {}
         for name in names:
             for r in ratios:
                 key = (name, r)
+                press = VARIANTS[name](r)
+                for k, span in spans.items():
+                    per_q.setdefault((name, r, doc.doc_id, k), {})["gold_kept"] = retention(full, press, span)
                 results[key] = copy.deepcopy(shell)
-                caches[key] = _clone(runner, full, VARIANTS[name](r))
+                caches[key] = _clone(runner, full, press)
                 _compress(caches[key], results[key])
         scores = _answer_together(runner, prepared, caches, results, reference)
         for key, ss in scores.items():
             if results[key].status == ERROR:
                 log(f"{doc.doc_id} {key}: {results[key].error}")
             for k, s in enumerate(ss):
-                per_q[(*key, doc.doc_id, k)] = s
+                per_q.setdefault((*key, doc.doc_id, k), {}).update(s)
         log(f"[{d}/{len(docs)}] {doc.doc_id}: {time.perf_counter() - t0:.0f} s")
     rows = []
     for name, r in [("no_press", 0.0)] + [(n, r) for n in names for r in ratios]:
@@ -100,6 +108,43 @@ def ablate(
             row[m] = sum(xs) / len(xs) if xs else None
         rows.append(row)
     return rows, per_q
+
+
+def gold_spans(tokenizer, context_ids: list[int], answers: list[str]) -> dict[int, list[int]]:
+    """question index -> context positions of its gold answer's tokens (first occurrence; the planted
+    answers occur once), trying the answer with and without a leading space."""
+    from pipeline.prompts import encode
+
+    out = {}
+    for k, ans in enumerate(answers):
+        for variant in (" " + ans, ans):
+            ids = encode(tokenizer, variant)
+            n = len(ids)
+            hit = next((i for i in range(len(context_ids) - n + 1) if context_ids[i : i + n] == ids), None)
+            if n and hit is not None:
+                out[k] = list(range(hit, hit + n))
+                break
+    return out
+
+
+def retention(full, press: BasePress, span: list[int]) -> float:
+    """Share of (layer, KV head, gold position) triples the press keeps, from the full cache's keys."""
+    import mlx.core as mx
+    import numpy as np
+
+    kept = total = 0
+    for c in full:
+        sel = press.select(c.keys[..., : c.stored, :])
+        if sel is None:
+            return 1.0
+        idx = np.array(sel.indices)[0]  # [H, K]
+        ok = np.array(sel.valid)[0] if sel.valid is not None else np.ones(idx.shape, bool)
+        for h in range(idx.shape[0]):
+            have = set(idx[h][ok[h]].tolist())
+            kept += sum(p in have for p in span)
+            total += len(span)
+    mx.clear_cache()
+    return kept / total if total else math.nan
 
 
 def _clone(runner, full, press: BasePress):
@@ -129,13 +174,13 @@ def paired(per_q: dict, a: tuple, b: tuple, metric: str = CORRECT) -> tuple[int,
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = "| variant | ratio | questions | accuracy | agree exact | ROUGE-L | delta NLL | top-1 agree |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    head = "| variant | ratio | questions | accuracy | agree exact | ROUGE-L | delta NLL | top-1 agree | gold kept |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         lines.append(f"| {r['variant']} | {r['compression_ratio']:.2f} | {r['n']} | {f(r[CORRECT], '{:.3f}')} | "
                      f"{f(r[AGREE_EXACT], '{:.3f}')} | {f(r[ROUGE_L], '{:.3f}')} | {f(r[DELTA_NLL], '{:+.3f}')} | "
-                     f"{f(r[TOP1], '{:.3f}')} |")
+                     f"{f(r[TOP1], '{:.3f}')} | {f(r[GOLD_KEPT], '{:.3f}')} |")
     return "\n".join(lines)
 
 

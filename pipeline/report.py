@@ -49,14 +49,16 @@ FROM ev GROUP BY config_hash
 KEPT_SQL = """
 WITH docs AS (
     SELECT r.config_hash, m.doc_id, m.content_sha256, m.run_id,
-           sum(m.bytes_kept) AS kept_bytes, sum(m.bytes_full) AS full_bytes
+           sum(m.bytes_kept) AS kept_bytes, sum(m.bytes_full) AS full_bytes, sum(m.bytes_resident) AS resident_bytes
     FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
     WHERE r.run_id IN (SELECT DISTINCT run_id FROM evaluations)
     GROUP BY r.config_hash, m.doc_id, m.content_sha256, m.run_id, r.created_at
     QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id, m.content_sha256
                                ORDER BY r.created_at DESC, m.run_id DESC) = 1
 )
-SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share FROM docs GROUP BY config_hash
+SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share,
+       sum(resident_bytes) / nullif(sum(full_bytes), 0) AS resident_share
+FROM docs GROUP BY config_hash
 """
 
 COLUMNS = [  # (key, header, format)
@@ -71,6 +73,7 @@ COLUMNS = [  # (key, header, format)
     ("delta_nll", "delta NLL", "{:+.3f}"),
     ("top1_agreement", "top-1 agree", "{:.3f}"),
     ("kept_share", "KV kept", "{:.3f}"),
+    ("resident_share", "KV resident", "{:.3f}"),
 ]
 
 
@@ -95,10 +98,11 @@ def quality_rows(store: Store) -> list[dict]:
     rows = store.query(QUALITY_SQL).to_pylist()
     if not rows:
         raise StoreError(f"{store.path}: no evaluations stored; run `nkv eval --db {store.path}` first")
-    kept = {r["config_hash"]: r["kept_share"] for r in store.query(KEPT_SQL).to_pylist()}
+    kept = {r["config_hash"]: r for r in store.query(KEPT_SQL).to_pylist()}
     full_acc = {r["model"]: r["accuracy"] for r in rows if r["press"] == "no_press"}
     for r in rows:
-        r["kept_share"] = kept.get(r["config_hash"])
+        r["kept_share"] = kept.get(r["config_hash"], {}).get("kept_share")
+        r["resident_share"] = kept.get(r["config_hash"], {}).get("resident_share")
         ref = full_acc.get(r["model"])
         r["accuracy_vs_full"] = r["accuracy"] / ref if ref and r["accuracy"] is not None else None
     return sorted(rows, key=_order)
@@ -147,7 +151,8 @@ def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
         markdown_table(rows),
         "",
         "- **ratio**: fraction of context KV entries removed; **KV kept**: kept context KV bytes over the "
-        "uncompressed context's (logical bytes; adaptive head budgets pad shorter heads in memory).",
+        "uncompressed context's (logical: the rows attention reads); **KV resident**: bytes actually allocated "
+        "after compression over the same (adaptive head budgets pad every head of a layer to its longest one).",
         "- **accuracy**: share of answers containing the gold answer (case, punctuation and whitespace "
         "folded); **acc / full**: accuracy over the `no_press` accuracy.",
         "- **agree exact**, **ROUGE-L**: the answer against the `no_press` answer to the same question.",
@@ -176,7 +181,7 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
     from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
 
     path = Path(path)
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax_acc, ax_nll = fig.subplots(1, 2)
     multi = len({r["model"] for r in rows}) > 1
     lines: dict[str, list[dict]] = {}
@@ -205,8 +210,9 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
                ylabel="nats / token vs full cache")
     for ax in (ax_acc, ax_nll):
         ax.grid(True, alpha=0.3)
-    ax_acc.legend(fontsize=8, loc="lower left")
-    ax_nll.legend(fontsize=8, loc="upper left")
+    # One legend for both panels, below them, so that it hides no line.
+    handles, labels = ax_acc.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     return path

@@ -161,6 +161,9 @@ def sweep_document(
     answer each question together, as one batch of greedy decodes (see ``_answer_together``); on CPU,
     where one-token decode steps are bound by reading the weights, this is several times faster.
     Greedy answers are the same up to floating-point summation order (a near-tie can flip a token).
+    A runner with logits processors (a repetition penalty: summaries by default) always decodes one
+    configuration at a time. Batching holds every configuration's compressed cache at once, plus
+    one stacked copy of them.
 
     Callbacks: ``on_prefill(done, total)`` per prefill chunk; ``on_prefilled(shell)`` once per prefill
     (so callers and tests can count prefills); ``on_config(i, n, config, result)`` per finished
@@ -169,6 +172,8 @@ def sweep_document(
     """
     configs = check_configs(runner.config, configs)
     todo = with_reference(configs)  # reference first: the others are scored against it
+    if getattr(runner, "logits_processors", None):
+        batch_decode = False  # the batched greedy loop has no logits processors (repetition penalty)
     shell, prepared = runner.start(doc)
     if prepared is None:  # bad document (no questions, too long): every configuration reports it
         results = {cfg: copy.deepcopy(shell) for cfg in todo}

@@ -46,6 +46,11 @@ def test_report_table_rows_and_values(evaluated):
         assert 0.0 <= r["rouge_l"] <= 1.0 and 0.0 <= r["top1_agreement"] <= 1.0
         # uniform budgets keep floor((1 - r) * N) rows per head; adaptive ones the same total per layer
         assert r["kept_share"] == pytest.approx(1 - r["compression_ratio"], abs=0.02)
+        # what is allocated: exactly the kept rows with uniform budgets, padded heads with adaptive ones
+        if r["head_budget"] == "uniform":
+            assert r["resident_share"] == pytest.approx(r["kept_share"])
+        else:
+            assert r["resident_share"] >= r["kept_share"]
     # the markdown and the display table carry one line per configuration
     md = markdown_table(rep.rows)
     assert md.count("\n") == 1 + len(rep.rows)

@@ -204,3 +204,19 @@ def test_run_sweep_stores_runs_and_evaluations_and_resumes(tmp_path, monkeypatch
                            "WHERE r.press = 'knorm' AND e.metric = 'rouge_l'").to_pylist()
             assert refs == [{"r": ref_id}]  # scored against the stored reference run
             assert s.query("SELECT count(*) AS n FROM runs WHERE press = 'no_press'").to_pylist()[0]["n"] == 1
+
+
+def test_batched_decode_is_skipped_when_the_runner_penalizes_repetition(prefills):
+    """Summaries carry a repetition penalty by default; the batched greedy loop has none, so it must not run."""
+    base = RunConfig(task="summarize", model=TINY_NAME, press="no_press", compression_ratio=0.0, max_new_tokens=8,
+                     prefill_step_size=128, repetition_penalty=1.5)
+    r = Runner(tiny_model(), ByteTokenizer(), base, max_context=4096)
+    cfgs = sweep_configs(base, ["keydiff", "nestedkv"], [0.5])
+    doc = docs(1, chars=600)[0]
+    one = sweep_document(r, doc, cfgs)
+    many = sweep_document(r, doc, cfgs, batch_decode=True)
+    assert [q.output for _, res in one for q in res.questions] == [q.output for _, res in many for q in res.questions]
+    # and the penalty did change the answers (else this test could not fail)
+    plain = Runner(tiny_model(), ByteTokenizer(), base.model_copy(update={"repetition_penalty": 1.0}), max_context=4096)
+    greedy = sweep_document(plain, doc, [c.model_copy(update={"repetition_penalty": 1.0}) for c in cfgs])
+    assert [q.output for _, res in one for q in res.questions] != [q.output for _, res in greedy for q in res.questions]
