@@ -2,44 +2,17 @@
 
 import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
 
-import importlib
-
 import mlx.core as mx
 import pytest
 
+from pipeline.models import make_tiny_model
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
-
-# GQA on purpose (4 query heads share 2 KV heads), so tests see the KV-head shapes.
-_BASE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=256,
-    tie_word_embeddings=True,
-)
-_EXTRA = {
-    "llama": dict(rope_theta=10000.0),
-    "qwen2": dict(rope_theta=10000.0, max_position_embeddings=8192),
-    "qwen3": dict(rope_theta=10000.0, max_position_embeddings=8192, head_dim=16),
-}
-
-
-def tiny_config(arch: str = "llama", n_layers: int = 2) -> dict:
-    """The config dict of a tiny model (what config.json would hold)."""
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
-    return {"model_type": arch, "num_hidden_layers": n_layers, **_BASE, **_EXTRA[arch]}
 
 
 def build_tiny_model(arch: str = "llama", n_layers: int = 2, dtype=mx.float32, seed: int = 0):
-    config = tiny_config(arch, n_layers)
-    module = importlib.import_module(f"mlx_lm.models.{arch}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    # GQA on purpose (4 query heads share 2 KV heads), so tests see the KV-head shapes.
+    model = make_tiny_model(arch, n_layers=n_layers, n_heads=4, n_kv_heads=2, seed=seed, dtype=dtype)
     model.eval()
     return model
 
@@ -58,8 +31,9 @@ def tiny_model_dir(tmp_path):
         from mlx_lm.utils import save_config, save_model
 
         path = tmp_path / f"tiny-{arch}-{n_layers}-{seed}"
-        save_model(path, build_tiny_model(arch, n_layers, dtype, seed))
-        save_config(tiny_config(arch, n_layers), path / "config.json")
+        model = build_tiny_model(arch, n_layers, dtype, seed)
+        save_model(path, model)
+        save_config({**vars(model.args), "model_type": arch}, path / "config.json")
         return path
 
     return make
@@ -70,6 +44,6 @@ def tokens():
     """Factory: ``tokens(n, seed=0)`` -> random token ids ``[n]`` (int32) for the tiny vocab."""
 
     def make(n: int, seed: int = 0):
-        return mx.random.randint(0, _BASE["vocab_size"], (n,), key=mx.random.key(seed)).astype(mx.int32)
+        return mx.random.randint(0, 256, (n,), key=mx.random.key(seed)).astype(mx.int32)
 
     return make
