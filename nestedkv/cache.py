@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
@@ -310,4 +310,39 @@ def clone(cache, press: Optional[BasePress] = None) -> list[NestedKVCache]:
                 raise ValueError("clone(cache, press) needs an uncompressed cache: this one is compressed")
             d.press = press
         out.append(d)
+    return out
+
+
+def stack(caches: Sequence[list]) -> list:
+    """One batch cache (B = len(caches)) per layer from compressed single-document caches that hold the
+    same context and the same appended rows (the question), each with its own kept context rows.
+
+    Row layout per batch entry: ``[its kept context rows | padding up to the longest | appended rows]``;
+    the padding is marked invalid (``valid``), so the attention hook masks it per batch entry and head,
+    exactly like the padding of adaptive head budgets. RoPE offsets are equal (same positions seen).
+    """
+    out = []
+    for layer in zip(*caches):
+        first = layer[0]
+        if any(c.offset != first.offset or c.appended != first.appended or not c.compressed for c in layer):
+            raise ValueError("stack needs compressed caches of the same context and appended rows")
+        rows = max(c.n_ctx_rows for c in layer)
+        ks, vs, valid = [], [], []
+        for c in layer:
+            k, v = c.keys_and_values()
+            B, H, _, _ = k.shape
+            pad = rows - c.n_ctx_rows
+            n = c.n_ctx_rows
+            zk = mx.zeros((B, H, pad, k.shape[3]), k.dtype)
+            zv = mx.zeros((B, H, pad, v.shape[3]), v.dtype)
+            ks.append(mx.concatenate([k[..., :n, :], zk, k[..., n:, :]], axis=2))
+            vs.append(mx.concatenate([v[..., :n, :], zv, v[..., n:, :]], axis=2))
+            ok = c.valid if c.valid is not None else mx.ones((B, H, n), dtype=mx.bool_)
+            valid.append(mx.concatenate([ok, mx.zeros((B, H, pad), dtype=mx.bool_)], axis=2))
+        s = NestedKVCache(NoPress())
+        s.keys, s.values = mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+        s.kept, s.valid = mx.concatenate([c.kept for c in layer], axis=0), mx.concatenate(valid, axis=0)
+        s.offset, s.context_len, s.n_ctx_rows = first.offset, first.context_len, rows
+        s.stored = rows + first.appended
+        out.append(s)
     return out

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 import nestedkv
-from nestedkv.cache import install_attention_hook
+from nestedkv.cache import install_attention_hook, stack
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, check_input, load_documents
 from pipeline.evaluate import (
@@ -256,45 +256,6 @@ def _in_order(configs, todo, results, scores) -> list[SweepResult]:
 
 
 # -- batched answering ----------------------------------------------------------------------------------
-def stack_caches(caches: Sequence[list]) -> list:
-    """One batch cache (B = len(caches)) per layer from compressed single-document caches that hold the
-    same context and the same appended rows (the question), each with its own kept context rows.
-
-    Row layout per batch entry: ``[its kept context rows | padding up to the longest | appended rows]``;
-    the padding is marked invalid (``valid``), so the attention hook masks it per batch entry and head,
-    exactly like the padding of adaptive head budgets. RoPE offsets are equal (same positions seen).
-    """
-    from nestedkv.cache import NestedKVCache
-
-    out = []
-    for layer in zip(*caches):
-        first = layer[0]
-        if any(c.offset != first.offset or c.appended != first.appended or not c.compressed for c in layer):
-            raise ValueError("stack_caches needs compressed caches of the same context and appended rows")
-        rows = max(c.n_ctx_rows for c in layer)
-        ks, vs, valid = [], [], []
-        for c in layer:
-            k, v = c.keys_and_values()
-            B, H, _, _ = k.shape
-            pad = rows - c.n_ctx_rows
-            n = c.n_ctx_rows
-            zk = mx.zeros((B, H, pad, k.shape[3]), k.dtype)
-            zv = mx.zeros((B, H, pad, v.shape[3]), v.dtype)
-            ks.append(mx.concatenate([k[..., :n, :], zk, k[..., n:, :]], axis=2))
-            vs.append(mx.concatenate([v[..., :n, :], zv, v[..., n:, :]], axis=2))
-            ok = c.valid if c.valid is not None else mx.ones((B, H, n), dtype=mx.bool_)
-            valid.append(mx.concatenate([ok, mx.zeros((B, H, pad), dtype=mx.bool_)], axis=2))
-        stacked = NestedKVCache(nestedkv.NoPress())
-        # The cache's own serialization contract (see NestedKVCache.state).
-        stacked.state = (
-            mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0),
-            mx.concatenate([c.kept for c in layer], axis=0), mx.concatenate(valid, axis=0),
-            first.offset, rows + first.appended, first.context_len, rows, 1, nestedkv.NoPress().to_json(),
-        )
-        out.append(stacked)
-    return out
-
-
 def _answer_together(runner, prepared, caches: dict, results: dict, reference) -> dict:
     """Answer each question from every compressed cache at once; returns per-config scores (evaluate).
 
@@ -356,7 +317,7 @@ def _decode_together(model, caches: list, first: list[int], eos: set, max_new: i
     """Greedy decode for a batch whose first tokens are known; per entry (token ids, its share of time).
     Like ``Runner.answer``: at most ``max_new`` tokens, stopping before an EOS token."""
     t0 = time.perf_counter()
-    stacked = stack_caches(caches)
+    stacked = stack(caches)
     out: list[list[int]] = [[] for _ in first]
     done = [False] * len(first)
     tokens = list(first)
