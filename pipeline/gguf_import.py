@@ -1,0 +1,215 @@
+"""A llama GGUF file -> an mlx-lm directory (config.json, model.safetensors, tokenizer files).
+
+llama.cpp's own ``gguf`` package parses and validates the file and dequantizes every ggml type.
+``mx.load`` reads F32/F16/Q4_0/Q4_1/Q8_0 natively, the quantized ones straight into MLX's affine
+layout (lossless, and they stay quantized on Metal), so files made only of those go through it.
+What stays here is the llama-specific mapping: mlx-lm config, tensor names, the Q/K row order and
+the Hugging Face tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+
+# Types mx.load reads exactly. It also accepts some others, but as float16 and not always
+# correctly (its Q4_K disagrees with llama.cpp's reference), and it fails on the rest.
+_MX_NATIVE = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
+_KEEP_DTYPE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+class GGUFError(ValueError):
+    """The file is not a readable GGUF model of a supported kind."""
+
+
+class _Reader(gguf.GGUFReader):
+    # The reader slices a memmap: past the end a read is silently short, and a corrupt array
+    # length would then loop without advancing. Make every read past the end an error.
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if offset + np.dtype(dtype).itemsize * int(count) > len(self.data):
+            raise EOFError("unexpected end of file (truncated download?)")
+        return super()._get(offset, dtype, count, override_order)
+
+
+def read(path: str | Path) -> gguf.GGUFReader:
+    """Parse and validate a GGUF file (header, metadata, every tensor inside the file)."""
+    path = Path(path)
+    try:
+        return _Reader(path)
+    except EOFError as e:
+        raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
+    except Exception as e:  # the reader raises ValueError/KeyError/IndexError with terse messages
+        raise GGUFError(f"{path} is not a valid GGUF file: {type(e).__name__}: {e}") from None
+
+
+def convert(src: str | Path, out: str | Path) -> None:
+    """Write the mlx-lm files for the GGUF model ``src`` into the existing directory ``out``.
+
+    Raises GGUFError, naming the file and the field, for anything it cannot read or map.
+    """
+    src, out = Path(src), Path(out)
+    reader = read(src)  # validates the whole layout first: mx.load segfaults on a truncated file
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{src}: GGUF architecture {arch!r} is not supported (supported: llama)")
+    weights = _tensors(reader, src)
+    config = _config(meta, weights, src)
+    weights = _rename(weights, config, src)
+    quant = {p[: -len(".scales")]: w for p, w in weights.items() if p.endswith(".scales")}
+    if quant:
+        # GGUF's Q4_0/Q4_1/Q8_0 blocks are 32 wide; bits follow from packed width / scale count.
+        bits = {p: weights[p + ".weight"].shape[-1] // s.shape[-1] for p, s in quant.items()}
+        config["quantization"] = {"group_size": 32, "bits": Counter(bits.values()).most_common(1)[0][0]}
+        config["quantization"].update({p: {"group_size": 32, "bits": b} for p, b in bits.items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    _write_tokenizer(meta, out, src)
+
+
+def _tensors(reader: gguf.GGUFReader, src: Path) -> dict[str, mx.array]:
+    if all(t.tensor_type.name in _MX_NATIVE for t in reader.tensors):
+        try:
+            return mx.load(str(src))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with terse messages
+            raise GGUFError(f"could not read GGUF file {src}: {e}") from e
+    # Anything else is dequantized by llama.cpp's reference code; quantized types become float16,
+    # as mx.load would make them, and plain float types keep their dtype.
+    out = {}
+    for t in reader.tensors:
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise GGUFError(f"{src}: tensor {t.name!r} has unsupported ggml type {t.tensor_type.name}") from e
+        out[t.name] = mx.array(values).astype(_KEEP_DTYPE.get(t.tensor_type.name, mx.float16))
+    return out
+
+
+def _need(meta: dict, key: str, src: Path) -> Any:
+    if key not in meta:
+        raise GGUFError(f"{src}: GGUF metadata field {key!r} is missing")
+    return meta[key]
+
+
+def _config(meta: dict, weights: dict, src: Path) -> dict:
+    need = lambda key: _need(meta, key, src)  # noqa: E731
+    n_heads = int(need("llama.attention.head_count"))
+    hidden = int(need("llama.embedding_length"))
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("llama.block_count")),
+        "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_heads)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(need("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "vocab_size": int(meta.get("llama.vocab_size", len(need("tokenizer.ggml.tokens")))),
+        "tie_word_embeddings": "output.weight" not in weights,
+        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(meta.get("tokenizer.ggml.eos_token_id", 2)),
+    }
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(need("llama.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise GGUFError(f"{src}: GGUF rope scaling {scaling!r} is not supported")
+    return config
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row order so mlx-lm's (non-traditional) rope sees Hugging Face order."""
+    # llama.cpp turns each head's half-split rope rows into interleaved pairs (row 2i+j <- row j*d/2+i).
+    # Quantization groups run along the input dim, so packed weights, scales and biases permute alike.
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rename(weights: dict, config: dict, src: Path) -> dict:
+    out = {}
+    for name, w in weights.items():
+        base, _, suffix = name.rpartition(".")  # suffix: weight | bias | scales | biases
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+            new = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+            if parts[2] in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads" if parts[2] == "attn_q" else "num_key_value_heads"]
+                w = unpermute_rows(w, heads)
+        elif base in _TOP_NAMES:
+            new = _TOP_NAMES[base]
+        elif base == "rope_freqs":  # precomputed llama3 rope factors: mlx-lm derives its own
+            continue
+        else:
+            raise GGUFError(f"{src}: unexpected GGUF tensor {name!r}")
+        out[f"{new}.{suffix}"] = w
+    return out
+
+
+def _write_tokenizer(meta: dict, out: Path, src: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    kind = meta.get("tokenizer.ggml.model")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise GGUFError(f"{src}: GGUF tokenizer {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # llama.cpp's smollm pre-tokenizer splits every digit before the GPT-2 regex
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("gpt-2", "default"):
+        pre_tok = byte_level
+    else:
+        raise GGUFError(f"{src}: GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, gpt-2)")
+
+    tokens = _need(meta, "tokenizer.ggml.tokens", src)
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]  # absent when empty
+    tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # GGUF token types: 3 = control (special), 4 = user-defined (added but not special).
+    added = [AddedToken(tokens[i], special=t == 3, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+    tok.add_tokens(added)
+    tok.save(str(out / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if i is None else tokens[int(i)]
+
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get("llama.context_length", 2048)),
+    }
+    if "tokenizer.chat_template" in meta:
+        tok_config["chat_template"] = meta["tokenizer.chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
