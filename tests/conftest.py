@@ -5,7 +5,7 @@ import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from pipeline.models import make_tiny_model
+from tiny import make_tiny_model
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

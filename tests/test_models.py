@@ -1,16 +1,19 @@
-"""pipeline.models: tiny random models, GGUF conversion of the real SmolLM2, the dtype policy, bad refs."""
+"""pipeline.models and pipeline.gguf_import: tiny random models, GGUF conversion (tiny files written with
+llama.cpp's gguf package, and the real SmolLM2), the dtype policy, bad refs."""
 
 import json
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
-from pipeline import models
-from pipeline.models import ModelLoadError, load_model, make_tiny_model, model_info
+from pipeline import gguf_import, models
+from pipeline.models import ModelLoadError, load_model, model_info
+from tiny import EOS, finish_gguf, gguf_name, llama_cpp_permute, make_tiny_model, save_tiny_gguf, tiny_model
 
 KINDS = ("llama", "qwen2", "qwen3")
 
@@ -66,10 +69,9 @@ def test_unknown_tiny_kind():
 def test_unpermute_inverts_llama_cpp_permutation():
     n_heads, head_dim, cols = 3, 8, 5
     w = mx.arange(n_heads * head_dim * cols).reshape(n_heads * head_dim, cols)
-    # llama.cpp's converter: within each head, half-split rope rows become interleaved pairs.
-    gguf = w.reshape(n_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    gguf = llama_cpp_permute(w, n_heads)
     assert not np.array_equal(np.array(gguf), np.array(w))
-    assert np.array_equal(np.array(models._unpermute_rows(gguf, n_heads)), np.array(w))
+    assert np.array_equal(np.array(gguf_import.unpermute_rows(gguf, n_heads)), np.array(w))
 
 
 def test_dequantize_policy_on_a_quantized_model():
@@ -88,6 +90,128 @@ def test_policy_follows_device_and_override():
     assert models._policy("dir", "bfloat16") == (True, mx.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         models._policy("dir", "int8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny GGUF files (written by llama.cpp's gguf package) -> mlx-lm
+
+
+def _reference(model, gguf_path):
+    """The tiny model's parameters as the GGUF stores them: llama.cpp's own dequantization, HF row order."""
+    import gguf
+
+    deq = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(gguf_path).tensors}
+    a, out = model.args, {}
+    for name, _ in tree_flatten(model.parameters()):
+        key = gguf_name(name)
+        v = mx.array(deq[key])
+        if key.endswith(("attn_q.weight", "attn_k.weight")):
+            v = gguf_import.unpermute_rows(v, a.num_attention_heads if "attn_q" in key else a.num_key_value_heads)
+        out[name] = np.array(v)
+    return out
+
+
+def _stored(path):
+    """The converted directory's weights as float32; quantized ones dequantized in float32, exactly."""
+    d = Path(models.model_dir(str(path)))
+    w = mx.load(str(d / "model.safetensors"))
+    out = {}
+    for k, v in w.items():
+        if k.endswith((".scales", ".biases")):
+            continue
+        base = k[: -len(".weight")]
+        if base + ".scales" in w:
+            s, b = (w[base + x].astype(mx.float32) for x in (".scales", ".biases"))
+            v = mx.dequantize(v, s, b, group_size=32, bits=v.shape[-1] // s.shape[-1])
+        out[k] = np.array(v.astype(mx.float32))
+    return out, json.loads((d / "config.json").read_text())
+
+
+@pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
+def test_tiny_gguf_converts_to_llama_cpp_weights(empty_cache, tmp_path, qtype, bits):
+    model = tiny_model(seed=5)
+    path = save_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", model, qtype=qtype)
+    stored, config = _stored(path)
+    assert config["quantization"]["bits"] == bits  # kept quantized (the mx.load path)
+    ref = _reference(model, path)
+    assert sorted(stored) == sorted(ref)
+    for k in ref:  # same names, rows in HF order, values as llama.cpp dequantizes them
+        np.testing.assert_allclose(stored[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    loaded, tok = load_model(str(path), dtype="float32")
+    reference = tiny_model(seed=5)
+    reference.update(tree_unflatten([(k, mx.array(v)) for k, v in ref.items()]))
+    x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    np.testing.assert_allclose(np.array(loaded(x)), np.array(reference(x)), atol=2e-2)  # fp16 dequantize
+    assert tok.encode("héllo", add_special_tokens=False) == list("héllo".encode())
+    assert tok.decode(tok.encode("héllo", add_special_tokens=False)) == "héllo"
+    assert tok.eos_token_id == EOS
+
+
+def test_types_mx_load_cannot_read_are_dequantized_by_gguf(empty_cache, tmp_path):
+    model = tiny_model(seed=6)
+    path = save_tiny_gguf(tmp_path / "tiny-q5.gguf", model, qtype="Q5_0", embed_qtype="BF16")  # mx.load fails
+    d = Path(models.model_dir(str(path)))
+    raw = mx.load(str(d / "model.safetensors"))
+    assert raw["model.embed_tokens.weight"].dtype == mx.bfloat16  # kept exactly
+    assert raw["model.layers.0.mlp.up_proj.weight"].dtype == mx.float16  # as mx.load stores such types
+    stored, config = _stored(path)
+    assert "quantization" not in config
+    ref = _reference(model, path)
+    for k in ref:  # llama.cpp's values, rounded once to the stored dtype
+        expected = ref[k].astype(np.float16).astype(np.float32) if raw[k].dtype == mx.float16 else ref[k]
+        np.testing.assert_array_equal(stored[k], expected, err_msg=k)
+    loaded, _ = load_model(str(path), dtype="float32")
+    assert model_info(loaded)["n_kv_heads"] == 2 and model_info(loaded)["quantization"] is None
+
+
+def test_q4_k_takes_llama_cpp_values_not_mx_load_ones(tmp_path):
+    # mx.load accepts Q4_K but decodes it differently from llama.cpp (checked against its C reference).
+    import gguf
+
+    t = gguf.GGMLQuantizationType.Q4_K
+    raw = np.random.default_rng(0).integers(0, 256, (4, 144), dtype=np.uint8)  # 4 rows of one 256-block
+    raw[:, 0:4] = np.frombuffer(np.array([0.01, 0.01], np.float16).tobytes(), np.uint8)  # d, dmin
+    w = gguf.GGUFWriter(str(tmp_path / "q4k.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=t)
+    path = finish_gguf(w)
+    reader = gguf_import.read(path)
+    got = gguf_import._tensors(reader, path)["blk.0.ffn_up.weight"]
+    expected = gguf.quants.dequantize(reader.tensors[0].data, t).astype(np.float16)
+    assert got.dtype == mx.float16 and got.shape == (4, 256)
+    np.testing.assert_array_equal(np.array(got), expected)
+
+
+def test_truncated_tensor_data_is_an_error(empty_cache, tmp_path):
+    path = save_tiny_gguf(tmp_path / "cut-data.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelLoadError, match="cut-data.gguf.*end of file"):
+        load_model(str(path))
+    assert not any(empty_cache.iterdir())  # no half model, no temp dir
+
+
+def test_corrupt_array_length_is_an_error_not_a_hang(empty_cache, tmp_path):
+    import gguf
+
+    path = save_tiny_gguf(tmp_path / "huge-array.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    reader.fields["tokenizer.ggml.token_type"].parts[4][0] = 1 << 60  # the array's element count
+    reader.data.flush()
+    del reader
+    with pytest.raises(ModelLoadError, match="huge-array.gguf.*end of file"):
+        load_model(str(path))
+
+
+def test_missing_metadata_and_other_architectures_are_named(empty_cache, tmp_path):
+    import gguf
+
+    def write(name, arch):
+        return str(finish_gguf(gguf.GGUFWriter(str(tmp_path / name), arch)))
+
+    with pytest.raises(ModelLoadError, match="bare.gguf.*'llama.attention.head_count' is missing"):
+        load_model(write("bare.gguf", "llama"))
+    with pytest.raises(ModelLoadError, match="architecture 'qwen2' is not supported"):
+        load_model(write("qwen.gguf", "qwen2"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Tiny random models with a byte tokenizer, for tests that run whole documents through the pipeline.
 
+``make_tiny_model`` builds a small mlx-lm model of a real architecture with seeded random weights.
 ``ByteTokenizer`` is the in-process tokenizer (one token per UTF-8 byte, vocab 256, no chat template).
 ``save_tiny_model_dir`` writes the same thing as an mlx-lm directory with a Hugging Face tokenizer, so a
-fresh process (a served flow run) can load it by path like any model reference.
+fresh process (a served flow run) can load it by path like any model reference; ``save_tiny_gguf``
+writes it as a llama.cpp GGUF file instead.
 ``use_tiny_model`` (a context manager) makes ``pipeline.models.load_model`` answer a name with a tiny model.
 """
 
@@ -13,7 +15,10 @@ import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
 
 VOCAB = 256
 EOS = 0  # NUL never occurs in test text, so only the model can end a generation early
@@ -34,9 +39,48 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) != EOS).decode("utf-8", errors="replace")
 
 
-def tiny_model(seed: int = 0, n_layers: int = 2):
-    from pipeline.models import make_tiny_model
+def make_tiny_model(
+    kind: str = "llama",
+    *,
+    n_layers: int = 2,
+    hidden: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    vocab: int = 256,
+    seed: int = 0,
+    dtype: Any = mx.float32,
+) -> nn.Module:
+    """A small mlx-lm model of a real architecture with random weights, deterministic for a seed."""
+    import importlib
 
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    if kind not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"kind must be llama, qwen2 or qwen3, got {kind!r}")
+    arch = importlib.import_module(f"mlx_lm.models.{kind}")
+    args = arch.ModelArgs.from_dict({
+        "model_type": kind, "hidden_size": hidden, "num_hidden_layers": n_layers,
+        "intermediate_size": 2 * hidden, "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "head_dim": hidden // n_heads, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    })
+    model = arch.Model(args)
+    params = tree_flatten(model.parameters())
+    # Explicit keys: the weights depend on `seed` alone, whatever the global RNG state is.
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new = []
+    for (name, p), k in zip(params, keys):
+        if name.endswith("norm.weight"):
+            v = mx.ones(p.shape)
+        else:
+            v = mx.random.normal(p.shape, key=k) * (p.shape[-1] ** -0.5 if p.ndim > 1 else 0.02)
+        new.append((name, v.astype(dtype)))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_model(seed: int = 0, n_layers: int = 2):
     return make_tiny_model("llama", n_layers=n_layers, vocab=VOCAB, seed=seed)
 
 
@@ -101,6 +145,72 @@ def save_tiny_model_dir(path, seed: int = 0, n_layers: int = 2) -> Path:
         "clean_up_tokenization_spaces": False, "model_max_length": args.max_position_embeddings,
     }))
     return path
+
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's tensor name for an mlx-lm llama parameter name (written independently of the importer)."""
+    parts = name.split(".")  # model.layers.<i>.<module path>.weight | model.embed_tokens.weight | model.norm.weight
+    if parts[1] == "layers":
+        return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.weight"
+    return {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight"}[parts[1]]
+
+
+def llama_cpp_permute(x, n_heads: int):
+    """llama.cpp's convert_hf_to_gguf row order for Q/K: each head's half-split rope rows -> interleaved pairs."""
+    return x.reshape(n_heads, 2, x.shape[0] // n_heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def save_tiny_gguf(path, model: nn.Module | None = None, *, qtype: str = "Q8_0", embed_qtype: str | None = None,
+                   arch: str = "llama") -> Path:
+    """A llama model (default: ``tiny_model()``) as llama.cpp writes it: GGUF names, Q/K rows permuted for
+    its rope, norms in F32, the other matrices in ``qtype`` (the embedding in ``embed_qtype`` or ``qtype``),
+    and the byte-level vocabulary of ``save_tiny_model_dir``."""
+    import gguf
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    model = tiny_model() if model is None else model
+    a = model.args
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(a.num_hidden_layers)
+    w.add_context_length(a.max_position_embeddings)
+    w.add_embedding_length(a.hidden_size)
+    w.add_feed_forward_length(a.intermediate_size)
+    w.add_head_count(a.num_attention_heads)
+    w.add_head_count_kv(a.num_key_value_heads)
+    w.add_layer_norm_rms_eps(a.rms_norm_eps)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(_byte_chars())
+    w.add_token_types([3 if i == EOS else 1 for i in range(VOCAB)])  # 3 = control token
+    w.add_eos_token_id(EOS)
+
+    for name, p in tree_flatten(model.parameters()):
+        x = np.array(p.astype(mx.float32))
+        gname = gguf_name(name)
+        if gname.endswith(("attn_q.weight", "attn_k.weight")):
+            x = llama_cpp_permute(x, a.num_attention_heads if "attn_q" in gname else a.num_key_value_heads)
+        qt = "F32" if x.ndim == 1 else (embed_qtype or qtype) if gname == "token_embd.weight" else qtype
+        t = gguf.GGMLQuantizationType[qt]
+        w.add_tensor(gname, gguf.quants.quantize(x, t), raw_dtype=t)
+    return finish_gguf(w)
+
+
+def finish_gguf(writer) -> Path:
+    """Write out and close a ``gguf.GGUFWriter`` (header, metadata, tensors); its path."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(writer.path)
 
 
 def write_batch(path, docs: list[dict]) -> str:
