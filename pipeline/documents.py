@@ -25,6 +25,7 @@ BATCH_ROWS = 256
 
 NATIVE_COLUMNS = ("doc_id", "text", "title", "questions", "answers")
 KVPRESS_COLUMNS = ("context", "question", "answer", "doc_id", "id", "title")
+COLUMNS = {"native": NATIVE_COLUMNS, "kvpress": KVPRESS_COLUMNS}
 
 
 class InputError(ValueError):
@@ -126,24 +127,99 @@ def _one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def check_input(path: PathLike) -> list[Path]:
-    """Raise ``InputError`` for file-level problems, reading only the Parquet footers; return the files."""
+def check_input(path: PathLike, pages: bool = False) -> list[Path]:
+    """Raise ``InputError`` for file-level problems and return the files.
+
+    Reads the Parquet footers; with ``pages=True`` also every data page of the columns a load reads (one
+    more pass over the data, values not decoded: a value that is not UTF-8 stays a bad row, not a file
+    error), so damaged pages are found before any work starts.
+    """
     files = _files(path)
-    for f in files:
-        _layout(f, _open(f).schema_arrow)
+    opened = [(f, _open(f)) for f in files]
+    layouts = [_layout(f, pf.schema_arrow) for f, pf in opened]
+    if pages:
+        for (f, pf), layout in zip(opened, layouts):
+            for _ in _batches(f, pf, COLUMNS[layout]):
+                pass
     return files
 
 
-def _rows(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def _binary_type(t: pa.DataType) -> Optional[pa.DataType]:
+    """The same type with strings as bytes, or None when ``t`` holds no strings."""
+    if pa.types.is_string(t):
+        return pa.binary()
+    if pa.types.is_large_string(t):
+        return pa.large_binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = _binary_type(t.value_type)
+        if inner is not None:
+            return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    return None
+
+
+def _decode(value, field: str):
+    """(value with bytes decoded, None) or (None, the field path of the first value that is not UTF-8)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8"), None  # strict: rejects CESU-8 surrogates too
+        except UnicodeDecodeError:
+            return None, field
+    if isinstance(value, list):
+        out = []
+        for i, v in enumerate(value):
+            d, bad = _decode(v, f"{field}.{i}")
+            if bad:
+                return None, bad
+            out.append(d)
+        return out, None
+    return value, None
+
+
+def _batch_records(batch: pa.RecordBatch) -> Iterator[tuple[dict, Optional[str]]]:
+    """(record, field that is not valid UTF-8 or None) per row. Parquet does not guarantee valid UTF-8 in
+    string columns and Arrow decodes a whole batch at once, so one bad value fails the batch: then its
+    string columns are read as bytes and decoded value by value, so only that row is lost."""
+    try:
+        return ((record, None) for record in batch.to_pylist())
+    except (UnicodeDecodeError, pa.ArrowInvalid):  # some value in the batch is not UTF-8
+        pass
+    raw = []
+    for i, name in enumerate(batch.schema.names):
+        binary = _binary_type(batch.schema.field(i).type)
+        if binary is not None:
+            batch = batch.set_column(i, name, batch.column(i).cast(binary))
+            raw.append(name)
+    return (_decode_record(record, raw) for record in batch.to_pylist())
+
+
+def _decode_record(record: dict, raw: list[str]) -> tuple[dict, Optional[str]]:
+    bad = None
+    for name in raw:
+        record[name], b = _decode(record[name], name)
+        bad = bad or b
+    return record, bad
+
+
+def _batches(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(number of its first row, batch) over the ``wanted`` columns of one file; damaged data is an InputError."""
     cols = [c for c in wanted if c in pf.schema_arrow.names]
     row = 0
     try:
         for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
-            for record in batch.to_pylist():
-                yield row, record
-                row += 1
+            yield row, batch
+            row += batch.num_rows
     except (OSError, pa.ArrowException) as e:
         raise InputError(f"{path}: corrupt Parquet data near row {row} ({_one_line(e)})") from None
+
+
+def _rows(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, dict, Optional[str]]]:
+    """(row number, record, field that is not valid UTF-8 or None) for every row of one file."""
+    for first, batch in _batches(path, pf, wanted):
+        for i, (record, bad) in enumerate(_batch_records(batch)):
+            yield first + i, record, bad
+
+
+NOT_UTF8 = "not valid UTF-8"
 
 
 def _describe(err: dict) -> tuple[str, str]:
@@ -190,7 +266,11 @@ class _Loader:
 
     def native(self, path: Path, pf: pq.ParquetFile) -> None:
         source = str(path)
-        for row, rec in _rows(path, pf, NATIVE_COLUMNS):
+        for row, rec, not_utf8 in _rows(path, pf, COLUMNS["native"]):
+            if not_utf8:
+                doc_id = rec.get("doc_id") if isinstance(rec.get("doc_id"), str) else None
+                self.errors.append(RowError(source, row, doc_id, not_utf8, NOT_UTF8))
+                continue
             doc, err = _validate(source, row, rec)
             if err:
                 self.errors.append(err)
@@ -201,14 +281,16 @@ class _Loader:
         source = str(path)
         has_answer = "answer" in pf.schema_arrow.names
         groups: dict[str, dict] = {}  # context sha256 -> accumulated document fields, in first-seen order
-        for row, rec in _rows(path, pf, KVPRESS_COLUMNS):
+        for row, rec, not_utf8 in _rows(path, pf, COLUMNS["kvpress"]):
             ctx, q, a = rec.get("context"), rec.get("question"), rec.get("answer")
             doc_id = rec.get("doc_id", rec.get("id"))
             if isinstance(doc_id, int) and not isinstance(doc_id, bool):
                 doc_id = str(doc_id)  # kvpress datasets often number their rows
             doc_id = doc_id if isinstance(doc_id, str) and doc_id.strip() else None
             bad = None
-            if ctx is None or (isinstance(ctx, str) and not ctx.strip()):
+            if not_utf8:
+                bad = (not_utf8, NOT_UTF8)
+            elif ctx is None or (isinstance(ctx, str) and not ctx.strip()):
                 bad = ("context", "missing (null)" if ctx is None else "must not be empty")
             elif not isinstance(ctx, str):
                 bad = ("context", f"Input should be a valid string (got {type(ctx).__name__})")

@@ -171,6 +171,9 @@ def test_corrupt_parquet(tmp_path):
     trunc = tmp_path / "damaged.parquet"
     trunc.write_bytes(bytes(data))
     check_input(trunc)
+    with pytest.raises(InputError, match="damaged.parquet") as info:
+        check_input(trunc, pages=True)  # the early check can read the pages too
+    assert "\n" not in str(info.value)
     with pytest.raises(InputError, match="damaged.parquet"):
         load_documents(trunc)
 
@@ -204,3 +207,80 @@ def test_row_numbers_span_batches(tmp_path, monkeypatch):
     docs, errors = load_documents(f)
     assert len(docs) == 9
     assert errors == [RowError(str(f), 7, "d7", "text", "must not be empty")]
+
+
+BAD_UTF8 = (b"\xff\xfe", b"ok \xed\xa0\x80 cesu")  # stray bytes; a CESU-8 encoded surrogate
+
+
+def raw_strings(values, large=False):
+    """A string array holding exactly these bytes (pyarrow refuses to build invalid UTF-8 any other way)."""
+    offsets, data = [0], b""
+    for v in values:
+        data += v
+        offsets.append(len(data))
+    off_type = pa.int64() if large else pa.int32()
+    return pa.Array.from_buffers(pa.large_string() if large else pa.string(), len(values),
+                                 [None, pa.array(offsets, off_type).buffers()[1], pa.py_buffer(data)])
+
+
+def raw_string_lists(lists):
+    flat = raw_strings([v for lst in lists for v in lst])
+    offsets = [0]
+    for lst in lists:
+        offsets.append(offsets[-1] + len(lst))
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), flat)
+
+
+@pytest.mark.parametrize("bad", BAD_UTF8)
+def test_invalid_utf8_in_a_native_column_is_a_bad_row(tmp_path, bad):
+    f = tmp_path / "u.parquet"
+    pq.write_table(pa.table({
+        "doc_id": raw_strings([b"d0", b"d1", b"d2", bad, b"d4", b"d5"]),
+        "text": raw_strings([b"good zero", bad, b"good two", b"good three", b"good four", b"good five"]),
+        "title": raw_strings([b"T", b"T", bad, b"T", b"T", b"T"]),
+        "questions": raw_string_lists([[b"q?"], [b"q?"], [b"q?"], [b"q?"], [b"q?", bad], [b"q?"]]),
+        "answers": raw_string_lists([[b"a"], [b"a"], [b"a"], [b"a"], [b"a", b"b"], [bad]]),
+    }), f)
+    assert check_input(f) == [f]
+    assert check_input(f, pages=True) == [f]  # pages are read, values are not decoded
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0"]
+    assert docs[0].text == "good zero" and docs[0].questions == ["q?"]
+    assert [(e.row, e.doc_id, e.field, e.message) for e in errors] == [
+        (1, "d1", "text", "not valid UTF-8"),
+        (2, "d2", "title", "not valid UTF-8"),
+        (3, None, "doc_id", "not valid UTF-8"),
+        (4, "d4", "questions.1", "not valid UTF-8"),
+        (5, "d5", "answers.0", "not valid UTF-8"),
+    ]
+    assert all(e.source == str(f) for e in errors)
+
+
+def test_invalid_utf8_spans_batches_and_large_strings(tmp_path, monkeypatch):
+    import pipeline.documents as documents
+
+    monkeypatch.setattr(documents, "BATCH_ROWS", 2)
+    f = tmp_path / "big.parquet"
+    texts = [b"t%d" % i for i in range(7)]
+    texts[5] = BAD_UTF8[1]
+    pq.write_table(pa.table({"doc_id": [f"d{i}" for i in range(7)], "text": raw_strings(texts, large=True)}), f)
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0", "d1", "d2", "d3", "d4", "d6"]
+    assert errors == [RowError(str(f), 5, "d5", "text", "not valid UTF-8")]
+
+
+@pytest.mark.parametrize("column", ["context", "question", "answer", "id"])
+def test_invalid_utf8_in_a_kvpress_column_is_a_bad_row(tmp_path, column):
+    cols = {
+        "id": [b"k1", b"k1", b"k2"],
+        "context": [b"Context one.", b"Context one.", b"Context two."],
+        "question": [b"q1", b"q2", b"q3"],
+        "answer": [b"a1", b"a2", b"a3"],
+    }
+    cols[column][1] = BAD_UTF8[0]
+    f = tmp_path / "kv.parquet"
+    pq.write_table(pa.table({k: raw_strings(v) for k, v in cols.items()}), f)
+    docs, errors = load_documents(f)
+    assert [(e.row, e.field, e.message) for e in errors] == [(1, column, "not valid UTF-8")]
+    assert errors[0].doc_id == (None if column == "id" else "k1")
+    assert [(d.doc_id, d.questions) for d in docs] == [("k1", ["q1"]), ("k2", ["q3"])]
