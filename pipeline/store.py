@@ -1,16 +1,23 @@
 """The DuckDB store: runs, outputs and per-layer KV memory, written one document per transaction.
 
-One writer per file (DuckDB's own rule); readers open the file read-only. Every write of a document
-first deletes that (run, document)'s rows, so a retried task replaces instead of duplicating.
+One writer per file (DuckDB's own rule); readers open the file read-only, inside DuckDB's sandbox (no files
+but the store, no extensions, locked settings) and with one SELECT per query. Every write of a document
+first deletes that (run, document)'s rows, so a retried task replaces instead of duplicating. A run records
+its host and pid; a writer that opens the store marks this host's ``running`` runs whose process is gone
+``interrupted``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+import socket
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import duckdb
 import pyarrow as pa
@@ -18,8 +25,12 @@ import pyarrow as pa
 from pipeline.config import RunConfig, code_version
 from pipeline.results import OK, DocumentResult
 
-SCHEMA_VERSION = 1
-RUN_STATUSES = ("running", "completed", "failed")
+log = logging.getLogger(__name__)
+
+# Version 2 added runs.prefill/host/pid/pid_started_at and the peak KV columns; older stores are migrated
+# in place by adding the missing columns (every change so far only adds columns and views).
+SCHEMA_VERSION = 2
+RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 
 # (name, DuckDB type, Arrow type): one list per table drives both the DDL and the Arrow batches.
 _S = ("VARCHAR", pa.string())
@@ -34,6 +45,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("compression_ratio", _F), ("budget", _I), ("head_budget", _S), ("prefill_step_size", _I),
         ("max_new_tokens", _I), ("config_json", _S), ("config_hash", _S), ("reference_config_hash", _S),
         ("code_version", _S), ("input", _S), ("status", _S), ("n_documents", _I), ("n_errors", _I),
+        ("prefill", _S), ("host", _S), ("pid", _I), ("pid_started_at", _F),  # pid_started_at: epoch seconds
     ],
     "documents": [("doc_id", _S), ("content_sha256", _S), ("n_chars", _B), ("n_tokens", _I), ("title", _S)],
     "outputs": [
@@ -41,12 +53,13 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("output", _S), ("gold", _S), ("status", _S), ("error", _S), ("n_tokens", _I),
         ("n_question_tokens", _I), ("n_generated", _I), ("prefill_s", _F), ("compress_s", _F),
         ("decode_s", _F), ("prefill_tok_s", _F), ("decode_tok_s", _F), ("peak_prefill_bytes", _B),
-        ("peak_decode_bytes", _B),
+        ("peak_decode_bytes", _B), ("peak_kv_prefill_bytes", _B), ("peak_kv_decode_bytes", _B),
     ],
     "layer_memory": [
         ("run_id", _S), ("doc_id", _S), ("content_sha256", _S), ("layer", _I), ("n_kv_heads", _I),
         ("head_dim", _I), ("dtype", _S), ("tokens_seen", _I), ("kept_min", _I), ("kept_max", _I),
         ("kept_mean", _F), ("bytes_full", _B), ("bytes_kept", _B), ("bytes_resident", _B),
+        ("peak_prefill_kv_bytes", _B), ("peak_decode_kv_bytes", _B),
     ],
     "evaluations": [
         ("run_id", _S), ("doc_id", _S), ("question_idx", _I), ("metric", _S), ("value", _F),
@@ -60,7 +73,7 @@ PRIMARY_KEYS = {"runs": "run_id", "documents": "content_sha256, doc_id"}
 
 MEMORY_SAVINGS_SQL = """
 CREATE OR REPLACE VIEW memory_savings AS
-SELECT r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget,
+SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget,
        count(DISTINCT (m.content_sha256, m.doc_id)) AS n_documents,
        sum(m.bytes_full)::BIGINT AS bytes_full,
        sum(m.bytes_kept)::BIGINT AS bytes_kept,
@@ -70,12 +83,12 @@ SELECT r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget,
        sum(m.bytes_resident) / nullif(sum(m.bytes_full), 0) AS resident_share,
        (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib
 FROM runs r JOIN layer_memory m ON m.run_id = r.run_id
-GROUP BY r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget
+GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget
 """
 
 LAYER_SAVINGS_SQL = """
 CREATE OR REPLACE VIEW layer_savings AS
-SELECT r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget, m.layer,
+SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, m.layer,
        count(*) AS n_documents,
        avg(m.tokens_seen) AS tokens_seen,
        avg(m.kept_min) AS kept_min,
@@ -89,7 +102,7 @@ SELECT r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget, m.layer,
        sum(m.bytes_resident) / nullif(sum(m.bytes_full), 0) AS resident_share,
        (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib
 FROM runs r JOIN layer_memory m ON m.run_id = r.run_id
-GROUP BY r.run_id, r.press, r.compression_ratio, r.head_budget, r.budget, m.layer
+GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, m.layer
 """
 
 # Two kinds of evaluation rows: agreement with a twin's output (reference_run_id names the twin; the
@@ -125,12 +138,75 @@ GROUP BY r.run_id, p.reference_run_id, r.press, r.compression_ratio, r.head_budg
          ms.kept_share
 """
 
+# Peak KV bytes per document come from outputs (one value per document, repeated on its question rows) or,
+# where those are not filled, from the sum of its layer_memory peaks; documents without either are left out.
+# 0 means not measured (the results' default): a document that held tokens never peaks at 0 bytes.
+PEAK_SAVINGS_SQL = """
+CREATE OR REPLACE VIEW peak_savings AS
+WITH docs AS (
+    SELECT run_id, doc_id, content_sha256,
+           max(peak_kv_prefill_bytes) AS prefill_peak, max(peak_kv_decode_bytes) AS decode_peak
+    FROM outputs GROUP BY run_id, doc_id, content_sha256
+),
+layers AS (
+    SELECT run_id, doc_id, content_sha256, sum(bytes_full) AS bytes_full,
+           sum(peak_prefill_kv_bytes) AS prefill_peak, sum(peak_decode_kv_bytes) AS decode_peak
+    FROM layer_memory GROUP BY run_id, doc_id, content_sha256
+),
+per_doc AS (
+    SELECT l.run_id, l.bytes_full,
+           coalesce(nullif(d.prefill_peak, 0), nullif(l.prefill_peak, 0)) AS prefill_peak,
+           coalesce(nullif(d.decode_peak, 0), nullif(l.decode_peak, 0)) AS decode_peak
+    FROM layers l LEFT JOIN docs d USING (run_id, doc_id, content_sha256)
+)
+SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget,
+       count(*) AS n_documents,
+       sum(p.bytes_full)::BIGINT AS bytes_full,
+       sum(p.prefill_peak)::BIGINT AS peak_prefill_kv_bytes,
+       sum(p.decode_peak)::BIGINT AS peak_decode_kv_bytes,
+       sum(p.prefill_peak) / nullif(sum(p.bytes_full) FILTER (WHERE p.prefill_peak IS NOT NULL), 0)
+           AS prefill_peak_share,
+       sum(p.decode_peak) / nullif(sum(p.bytes_full) FILTER (WHERE p.decode_peak IS NOT NULL), 0)
+           AS decode_peak_share,
+       (sum(p.bytes_full) FILTER (WHERE p.prefill_peak IS NOT NULL) - sum(p.prefill_peak)) / 1048576.0
+           AS prefill_saved_mib,
+       (sum(p.bytes_full) FILTER (WHERE p.decode_peak IS NOT NULL) - sum(p.decode_peak)) / 1048576.0
+           AS decode_saved_mib
+FROM runs r JOIN per_doc p ON p.run_id = r.run_id
+WHERE p.prefill_peak IS NOT NULL OR p.decode_peak IS NOT NULL
+GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget
+"""
+
 VIEWS = {"memory_savings": MEMORY_SAVINGS_SQL, "layer_savings": LAYER_SAVINGS_SQL,
-         "quality_vs_full": QUALITY_VS_FULL_SQL}
+         "quality_vs_full": QUALITY_VS_FULL_SQL, "peak_savings": PEAK_SAVINGS_SQL}
+
+# Read-only connections: DuckDB's own sandbox. No file but the store itself (COPY TO, EXPORT, ATTACH,
+# read_text, INSTALL all fail), no extension loading, and no SET that could undo it.
+SANDBOX = {
+    "enable_external_access": False,
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "lock_configuration": True,
+}
+# What a read-only query may be, by DuckDB's parser. SELECT includes WITH, VALUES, FROM-first queries,
+# DESCRIBE, SHOW and SUMMARIZE (and table functions such as pragma_table_info('runs')).
+READ_ONLY_STATEMENTS = frozenset({duckdb.StatementType.SELECT})
+
+_LOCK_BACKOFF_S = (0.1, 5.0)  # first pause, longest pause between tries of a held lock
+
+
+EVALUATION_MATCH = ("e.run_id = n.run_id AND e.doc_id = n.doc_id AND e.metric = n.metric "
+                    "AND e.question_idx IS NOT DISTINCT FROM n.question_idx "
+                    "AND e.reference_run_id IS NOT DISTINCT FROM n.reference_run_id")
 
 
 class StoreError(RuntimeError):
     """A store problem a user can act on; the message is one line naming the file."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the store (still, after ``wait_s``)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -146,7 +222,16 @@ def _ddl(name: str) -> str:
 
 def _arrow(name: str, rows: list[dict]) -> pa.Table:
     schema = pa.schema([(c, t[1]) for c, t in TABLES[name]])
-    return pa.Table.from_pylist(rows, schema=schema)
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+        # Name the column (e.g. an INTEGER column given a value past 2**31 - 1) instead of Arrow's traceback.
+        for c, t in TABLES[name]:
+            try:
+                pa.array([r.get(c) for r in rows], type=t[1])
+            except (pa.ArrowException, OverflowError, TypeError, ValueError) as col_e:
+                raise StoreError(f"cannot store {name}.{c} ({t[0]}): {_one_line(col_e)}") from None
+        raise StoreError(f"cannot store {name} rows: {_one_line(e)}") from None
 
 
 def new_run_id() -> str:
@@ -164,6 +249,9 @@ def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
         "run_id": run_id, "doc_id": r.doc_id, "content_sha256": r.content_sha256, "n_tokens": r.n_tokens,
         "prefill_s": r.prefill_s, "compress_s": r.compress_s, "prefill_tok_s": r.prefill_tok_s,
         "peak_prefill_bytes": r.peak_prefill_bytes, "peak_decode_bytes": r.peak_decode_bytes,
+        # getattr: filled once DocumentResult carries peak KV bytes; NULL before.
+        "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
+        "peak_kv_decode_bytes": getattr(r, "peak_kv_decode_bytes", None),
     }
     if not r.questions:
         return _arrow("outputs", [{**doc, "status": r.status, "error": r.error}])
@@ -184,51 +272,177 @@ def layer_memory_table(run_id: str, r: DocumentResult) -> pa.Table:
     return _arrow("layer_memory", [{**ids, **lm.as_dict()} for lm in r.layers])
 
 
-class Store:
-    """``with Store("runs.duckdb") as db: ...``; ``Store(path, read_only=True)`` for queries only."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError:
+        return False
+    return True
 
-    def __init__(self, path: Union[str, Path], read_only: bool = False):
+
+def process_started_at(pid: int) -> Optional[float]:
+    """When process ``pid`` started (epoch seconds), or None when it does not exist or cannot be told.
+
+    Tells a reused pid from the process that recorded it: psutil where installed, else Linux's /proc.
+    """
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return psutil.Process(pid).create_time()
+        except Exception:  # NoSuchProcess, AccessDenied, ...
+            return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _process_is_the_run(pid: Optional[int], started_at: Optional[float]) -> bool:
+    """Whether the process that started a run may still be running it."""
+    if pid is None or not _pid_alive(pid):
+        return False
+    now = process_started_at(pid)
+    # Start times are read at clock-tick and boot-time (whole second) resolution.
+    return started_at is None or now is None or abs(now - started_at) < 2.0
+
+
+def _is_lock_error(e: BaseException) -> bool:
+    return isinstance(e, duckdb.IOException) and "lock" in str(e).lower()
+
+
+class Store:
+    """``with Store("runs.duckdb") as db: ...``; ``Store(path, read_only=True)`` for queries only.
+
+    ``wait_s``: when another process holds the file, retry with backoff for up to that many seconds,
+    calling ``on_wait(waited_s, wait_s)`` (and logging) before each pause, then fail as without it.
+    After a writable open, ``interrupted_runs`` lists the run ids just marked ``interrupted``.
+    """
+
+    def __init__(self, path: Union[str, Path], read_only: bool = False, wait_s: float = 0.0,
+                 on_wait: Optional[Callable[[float, float], None]] = None):
         self.path = Path(path)
         self.read_only = read_only
+        self.interrupted_runs: list[str] = []
         self._lock = threading.RLock()  # one DuckDB connection is not safe to share across threads
         if read_only and not self.path.exists():
             raise StoreError(f"{self.path}: no such database file")
         if not read_only:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except duckdb.IOException as e:
-            if "lock" in str(e).lower():
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
                 raise StoreError(
-                    f"{self.path}: another process holds this database (DuckDB allows one writer); "
-                    "wait for it to finish or stop it"
+                    f"{self.path}: cannot create the folder {self.path.parent} ({e.strerror or _one_line(e)})"
                 ) from None
-            raise StoreError(f"{self.path}: cannot open database ({_one_line(e)})") from None
-        except duckdb.Error as e:
-            raise StoreError(f"{self.path}: cannot open database ({_one_line(e)})") from None
+        created = not self.path.exists()
+        try:
+            self.con = self._connect(wait_s, on_wait)
+        except StoreLockedError:
+            raise  # the file is someone else's now
+        except StoreError:
+            self._remove_if(created)
+            raise
         try:
             self._check_schema()
-        except BaseException:
+            if not read_only:
+                self._mark_interrupted_runs()
+        except BaseException as e:
             self.con.close()
+            self._remove_if(created)
+            if isinstance(e, duckdb.Error):
+                raise StoreError(f"{self.path}: cannot set up the store ({_one_line(e)})") from None
             raise
 
+    def _remove_if(self, created: bool) -> None:
+        """A store this open created but could not set up (disk full, ...) leaves no file behind."""
+        if created:
+            for f in (self.path, Path(f"{self.path}.wal")):
+                f.unlink(missing_ok=True)
+
+    def _connect(self, wait_s: float, on_wait: Optional[Callable[[float, float], None]]):
+        start = time.monotonic()
+        pause = _LOCK_BACKOFF_S[0]
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=self.read_only,
+                                      config=SANDBOX if self.read_only else {})
+            except duckdb.Error as e:
+                waited = time.monotonic() - start
+                if not _is_lock_error(e):
+                    raise StoreError(f"{self.path}: cannot open database ({_one_line(e)})") from None
+                if waited >= wait_s:
+                    after = f" after waiting {waited:.0f}s" if wait_s > 0 else ""
+                    raise StoreLockedError(
+                        f"{self.path}: another process holds this database (DuckDB allows one writer){after}; "
+                        "wait for it to finish or stop it"
+                    ) from None
+            log.info("%s: held by another process; waited %.1fs of %.0fs", self.path, waited, wait_s)
+            if on_wait is not None:
+                on_wait(waited, wait_s)
+            time.sleep(min(pause, max(wait_s - waited, 0.0)))
+            pause = min(pause * 2, _LOCK_BACKOFF_S[1])
+
     def _check_schema(self) -> None:
-        if not self.read_only:
-            self.con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)")
-            if self.con.execute("SELECT count(*) FROM schema_version").fetchall()[0][0] == 0:
-                self.con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
-        has = self.con.execute(
-            "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'schema_version' "
+        """Refuse a file that is not ours before writing anything; create or migrate ours."""
+        q = lambda sql: self.con.execute(sql).fetchall()  # noqa: E731
+        objects = q(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "UNION ALL SELECT view_name FROM duckdb_views() WHERE NOT internal "
             "AND database_name = current_database()"
-        ).fetchall()[0][0]
-        found = self.con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0] if has else None
-        if found is not None and found != SCHEMA_VERSION:
-            raise StoreError(f"{self.path}: schema version {found}, this code reads version {SCHEMA_VERSION}")
-        if not self.read_only:
-            for name in TABLES:
-                self.con.execute(_ddl(name))
-            for sql in VIEWS.values():
-                self.con.execute(sql)
+        )
+        names = {n for (n,) in objects}
+        found = None
+        if "schema_version" in names:
+            try:
+                found = q("SELECT max(version) FROM schema_version")[0][0]
+            except duckdb.Error:
+                raise StoreError(f"{self.path}: not a nestedkv store (its schema_version table is not ours); "
+                                 "refusing to use it") from None
+        if found is None and names - {"schema_version"}:
+            raise StoreError(f"{self.path}: not a nestedkv store (it holds tables but no schema version); "
+                             "refusing to use it")
+        if found is not None and not 1 <= found <= SCHEMA_VERSION:
+            raise StoreError(f"{self.path}: schema version {found}, this code reads versions 1 to {SCHEMA_VERSION}")
+        if not self.read_only:  # an older store opened read-only is read as it is
+            self._transaction(self._create_or_migrate)
+
+    def _create_or_migrate(self) -> None:
+        self.con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)")
+        have = set(self.con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database()"
+        ).fetchall())
+        tables = {t for t, _ in have}
+        for name, cols in TABLES.items():
+            self.con.execute(_ddl(name))
+            for c, t in cols:
+                if name in tables and (name, c) not in have:  # a column added since the table was created
+                    self.con.execute(f"ALTER TABLE {name} ADD COLUMN {c} {t[0]}")
+        for sql in VIEWS.values():  # replaced on every writable open, so view changes reach old stores
+            self.con.execute(sql)
+        self.con.execute("DELETE FROM schema_version")
+        self.con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
+
+    def _mark_interrupted_runs(self) -> None:
+        rows = self.con.execute(
+            "SELECT run_id, pid, pid_started_at FROM runs WHERE status = 'running' AND host = ?",
+            [socket.gethostname()],
+        ).fetchall()
+        for run_id, pid, started_at in rows:
+            if not _process_is_the_run(pid, started_at):
+                self.finish_run(run_id, "interrupted")
+                self.interrupted_runs.append(run_id)
+                log.info("%s: run %s was left running by pid %s, which is gone: marked interrupted",
+                         self.path, run_id, pid)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -245,10 +459,16 @@ class Store:
         if self.read_only:
             raise StoreError(f"{self.path}: store is open read-only; writes are refused")
 
+    def _store_error(self, e: BaseException) -> StoreError:
+        """One line naming the file for a failed write (disk full, a value its column cannot hold, ...)."""
+        msg = _one_line(e)
+        return StoreError(msg if msg.startswith(f"{self.path}:") else f"{self.path}: write failed: {msg}")
+
     # -- runs -------------------------------------------------------------------------------------
     def start_run(self, config: RunConfig, input: str) -> str:
         self._writable()
         run_id = new_run_id()
+        pid = os.getpid()
         row = {
             "run_id": run_id, "created_at": _utcnow(), "task": config.task, "model": config.model,
             "press": config.press, "compression_ratio": config.compression_ratio, "budget": config.budget,
@@ -256,9 +476,14 @@ class Store:
             "max_new_tokens": config.max_new_tokens, "config_json": config.canonical_json(),
             "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
             "code_version": code_version(), "input": str(input), "status": "running",
+            "prefill": getattr(config, "prefill", None),
+            "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
         }
-        with self._lock:
-            self._insert("runs", _arrow("runs", [row]))
+        try:
+            with self._lock:
+                self._insert("runs", _arrow("runs", [row]))
+        except (StoreError, duckdb.Error) as e:
+            raise self._store_error(e) from None
         return run_id
 
     def finish_run(self, run_id: str, status: str) -> None:
@@ -266,31 +491,36 @@ class Store:
         self._writable()
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, not {status!r}")
-        with self._lock:
-            self.con.execute(
-                """
-                UPDATE runs SET status = $status, finished_at = $now,
-                  n_documents = (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs WHERE run_id = $id),
-                  n_errors = (SELECT count(*) FROM input_errors WHERE run_id = $id)
-                           + (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
-                              WHERE run_id = $id AND status <> $ok)
-                WHERE run_id = $id
-                """,
-                {"status": status, "now": _utcnow(), "id": run_id, "ok": OK},
-            )
+        try:
+            with self._lock:
+                self.con.execute(
+                    """
+                    UPDATE runs SET status = $status, finished_at = $now,
+                      n_documents = (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
+                                     WHERE run_id = $id),
+                      n_errors = (SELECT count(*) FROM input_errors WHERE run_id = $id)
+                               + (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
+                                  WHERE run_id = $id AND status <> $ok)
+                    WHERE run_id = $id
+                    """,
+                    {"status": status, "now": _utcnow(), "id": run_id, "ok": OK},
+                )
+        except duckdb.Error as e:
+            raise self._store_error(e) from None
 
-    def done_content_hashes(self, config: RunConfig) -> set[str]:
-        """Documents already answered ok (every question) under this exact configuration, in any run."""
+    def done_documents(self, config: RunConfig) -> set[tuple[str, str]]:
+        """(doc_id, content_sha256) of documents answered ok (every question) under this exact configuration,
+        in any run. Resume skips by this pair: the same text under a new doc_id still gets its own rows."""
         with self._lock:
             rows = self.con.execute(
                 """
-                SELECT DISTINCT o.content_sha256 FROM outputs o JOIN runs r ON r.run_id = o.run_id
+                SELECT DISTINCT o.doc_id, o.content_sha256 FROM outputs o JOIN runs r ON r.run_id = o.run_id
                 WHERE r.config_hash = ?
                 GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = ?)
                 """,
                 [config.config_hash(), OK],
             ).fetchall()
-        return {h for (h,) in rows}
+        return {(d, h) for d, h in rows}
 
     # -- writes -----------------------------------------------------------------------------------
     def _insert(self, table: str, data: pa.Table) -> None:
@@ -304,85 +534,136 @@ class Store:
             self.con.unregister(name)
 
     def _transaction(self, work) -> None:
+        """``work()`` in one transaction; a DuckDB or value error becomes a one-line ``StoreError``."""
         with self._lock:
-            self.con.execute("BEGIN TRANSACTION")
             try:
-                work()
-            except BaseException:
-                self.con.execute("ROLLBACK")
-                raise
-            self.con.execute("COMMIT")
+                self.con.execute("BEGIN TRANSACTION")
+                try:
+                    work()
+                except BaseException:
+                    self.con.execute("ROLLBACK")
+                    raise
+                self.con.execute("COMMIT")
+            except (StoreError, duckdb.Error) as e:
+                raise self._store_error(e) from None
 
     def write_document(self, run_id: str, result: DocumentResult) -> None:
         """All rows of one document in one transaction, replacing any earlier write of the same (run, doc)."""
+        self.write_results([(run_id, result, [])])
+
+    def write_results(self, items: Iterable[tuple[str, DocumentResult, Any]]) -> None:
+        """One document's results under several runs, each ``(run_id, result, evaluation rows)``, in ONE
+        transaction: a crash never leaves part of a document. Each replaces any earlier write of the same
+        (run, document), so a retry never duplicates.
+
+        ``documents.n_tokens`` is the document's own length: ``result.n_tokens_full`` where the result has
+        it (a truncated run feeds fewer tokens; ``outputs.n_tokens`` has what was fed), else ``n_tokens``.
+        """
         self._writable()
-        key = [run_id, result.doc_id, result.content_sha256]
+        items = list(items)
+        try:
+            evaluations = [self._evaluations_table(rows) for _, _, rows in items]
+        except (StoreError, pa.ArrowException) as e:
+            raise self._store_error(e) from None
 
         def work() -> None:
-            for table in ("outputs", "layer_memory"):
-                self.con.execute(
-                    f"DELETE FROM {table} WHERE run_id = ? AND doc_id = ? AND content_sha256 = ?", key
-                )
-            self._insert("outputs", outputs_table(run_id, result))
-            self._insert("layer_memory", layer_memory_table(run_id, result))
-            # n_tokens 0 means the document failed before tokenizing: keep a count we already have.
-            self.con.execute(
-                """
-                INSERT INTO documents VALUES (?, ?, ?, ?, ?)
-                ON CONFLICT (content_sha256, doc_id) DO UPDATE SET
-                  n_chars = excluded.n_chars,
-                  n_tokens = CASE WHEN excluded.n_tokens > 0 THEN excluded.n_tokens ELSE n_tokens END,
-                  title = coalesce(excluded.title, title)
-                """,
-                [result.doc_id, result.content_sha256, result.n_chars, result.n_tokens, result.title],
-            )
+            for (run_id, result, _), data in zip(items, evaluations):
+                self._document_rows(run_id, result)
+                if data.num_rows:
+                    self._replace_rows("evaluations", data, EVALUATION_MATCH)
 
         self._transaction(work)
+
+    def _document_rows(self, run_id: str, result: DocumentResult) -> None:
+        key = [run_id, result.doc_id, result.content_sha256]
+        full = getattr(result, "n_tokens_full", None)
+        n_tokens = full if full is not None else result.n_tokens
+        for table in ("outputs", "layer_memory"):
+            self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND doc_id = ? AND content_sha256 = ?", key)
+        self._insert("outputs", outputs_table(run_id, result))
+        self._insert("layer_memory", layer_memory_table(run_id, result))
+        # n_tokens 0 means the document failed before tokenizing: keep a count we already have.
+        self.con.execute(
+            """
+            INSERT INTO documents (doc_id, content_sha256, n_chars, n_tokens, title) VALUES (?, ?, ?, ?, ?)
+            ON CONFLICT (content_sha256, doc_id) DO UPDATE SET
+              n_chars = excluded.n_chars,
+              n_tokens = CASE WHEN excluded.n_tokens > 0 THEN excluded.n_tokens ELSE n_tokens END,
+              title = coalesce(excluded.title, title)
+            """,
+            [result.doc_id, result.content_sha256, result.n_chars, n_tokens, result.title],
+        )
 
     def write_input_errors(self, run_id: str, errors: Iterable[Any]) -> None:
         """``RowError``s of one run; writing the same (source, row) again replaces it."""
         self._writable()
-        data = _arrow("input_errors", [
-            {"run_id": run_id, "source": e.source, "row_number": e.row, "doc_id": e.doc_id, "field": e.field,
-             "message": e.message}
-            for e in errors
-        ])
+        try:
+            data = _arrow("input_errors", [
+                {"run_id": run_id, "source": e.source, "row_number": e.row, "doc_id": e.doc_id, "field": e.field,
+                 "message": e.message}
+                for e in errors
+            ])
+        except StoreError as e:
+            raise self._store_error(e) from None
 
         self._replace("input_errors", data, "e.run_id = n.run_id AND e.source = n.source AND e.row_number = n.row_number")
 
-    def write_evaluations(self, rows: Union[pa.Table, Iterable[Mapping[str, Any]]]) -> None:
-        """Evaluation rows (dicts or an Arrow table with the ``evaluations`` columns); re-writing replaces."""
-        self._writable()
+    @staticmethod
+    def _evaluations_table(rows: Union[pa.Table, Iterable[Mapping[str, Any]]]) -> pa.Table:
         cols = [c for c, _ in TABLES["evaluations"]]
         data = rows.select(cols) if isinstance(rows, pa.Table) else _arrow("evaluations", [
             {c: r.get(c) for c in cols} for r in rows
         ])
-        data = data.cast(pa.schema([(c, t[1]) for c, t in TABLES["evaluations"]]))
+        return data.cast(pa.schema([(c, t[1]) for c, t in TABLES["evaluations"]]))
 
-        self._replace(
-            "evaluations", data,
-            "e.run_id = n.run_id AND e.doc_id = n.doc_id AND e.metric = n.metric "
-            "AND e.question_idx IS NOT DISTINCT FROM n.question_idx "
-            "AND e.reference_run_id IS NOT DISTINCT FROM n.reference_run_id",
-        )
+    def write_evaluations(self, rows: Union[pa.Table, Iterable[Mapping[str, Any]]]) -> None:
+        """Evaluation rows (dicts or an Arrow table with the ``evaluations`` columns); re-writing replaces."""
+        self._writable()
+        try:
+            data = self._evaluations_table(rows)
+        except (StoreError, pa.ArrowException) as e:
+            raise self._store_error(e) from None
+        self._replace("evaluations", data, EVALUATION_MATCH)
 
     def _replace(self, table: str, data: pa.Table, match: str) -> None:
         """In one transaction, delete the rows ``data`` replaces (``match`` relates old ``e`` to new ``n``)
         and insert ``data``: re-writing the same rows never duplicates them."""
+        self._transaction(lambda: self._replace_rows(table, data, match))
 
-        def work() -> None:
-            self.con.register("_new_rows", data)
-            try:
-                self.con.execute(f"DELETE FROM {table} e USING _new_rows n WHERE {match}")
-            finally:
-                self.con.unregister("_new_rows")
-            self._insert(table, data)
-
-        self._transaction(work)
+    def _replace_rows(self, table: str, data: pa.Table, match: str) -> None:
+        self.con.register("_new_rows", data)
+        try:
+            self.con.execute(f"DELETE FROM {table} e USING _new_rows n WHERE {match}")
+        finally:
+            self.con.unregister("_new_rows")
+        self._insert(table, data)
 
     # -- reads ------------------------------------------------------------------------------------
+    def _check_read_only_sql(self, sql: str) -> None:
+        """Refuse, before running anything, all but exactly one statement of a ``READ_ONLY_STATEMENTS`` kind."""
+        try:
+            statements = self.con.extract_statements(sql)
+        except duckdb.Error as e:
+            raise StoreError(f"{self.path}: query failed: {_one_line(e)}") from None
+        if len(statements) != 1:
+            raise StoreError(f"{self.path}: store is open read-only; a query must be exactly one SELECT "
+                             f"statement, found {len(statements)}")
+        kind = statements[0].type
+        if kind not in READ_ONLY_STATEMENTS:
+            raise StoreError(f"{self.path}: store is open read-only; {kind.name} statements are refused "
+                             "(SELECT, WITH, VALUES, DESCRIBE, SHOW and SUMMARIZE are allowed)")
+
     def query(self, sql: str, params: Optional[Union[list, dict]] = None) -> pa.Table:
-        """Run SQL and return the result as Arrow; on a read-only store any write is a ``StoreError``."""
+        """Run SQL and return the result as Arrow.
+
+        On a read-only store (what ``nkv query`` opens) the SQL must be exactly one SELECT statement (which
+        includes WITH, VALUES, FROM-first queries, DESCRIBE, SHOW, SUMMARIZE and table functions such as
+        ``pragma_table_info('runs')``); anything else, or a second statement, is a ``StoreError`` before any
+        of it runs. The connection is sandboxed as well (``SANDBOX``): such a SELECT can read the store and
+        nothing else (no other files, no extensions, no settings changes).
+        """
+        if self.read_only:
+            self._check_read_only_sql(sql)
         try:
             with self._lock:
                 rel = self.con.sql(sql, params=params)

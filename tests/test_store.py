@@ -180,18 +180,18 @@ def test_quality_vs_full(db):
 def test_resume_sees_only_ok_documents_of_the_same_config(db):
     cfg = RunConfig(compression_ratio=0.5)
     run = db.start_run(cfg, "x")
-    assert db.done_content_hashes(cfg) == set()
+    assert db.done_documents(cfg) == set()
     db.write_document(run, doc("d1", "a" * 64))
     db.write_document(run, doc("d2", "b" * 64, status=ERROR, error="oom"))
     bad_q = doc("d3", "c" * 64)
     bad_q.questions[1].status, bad_q.questions[1].error = ERROR, "decode failed"
     db.write_document(run, bad_q)
-    assert db.done_content_hashes(cfg) == {"a" * 64}
-    assert db.done_content_hashes(cfg.model_copy(update={"compression_ratio": 0.9})) == set()
+    assert db.done_documents(cfg) == {("d1", "a" * 64)}
+    assert db.done_documents(cfg.model_copy(update={"compression_ratio": 0.9})) == set()
 
     later = db.start_run(cfg, "x")  # a later run of the same configuration finishes the failed one
     db.write_document(later, doc("d2", "b" * 64))
-    assert db.done_content_hashes(cfg) == {"a" * 64, "b" * 64}
+    assert db.done_documents(cfg) == {("d1", "a" * 64), ("d2", "b" * 64)}
 
 
 def test_rewriting_a_document_replaces_its_rows(db):
@@ -297,3 +297,362 @@ def test_second_writer_process_gets_a_clear_error(tmp_path):
         holder.stdin.close()
         holder.wait(timeout=30)
     Store(path).close()  # free again once the holder exits
+
+
+# -- issue 11: reliability ----------------------------------------------------------------------------
+
+def one_line_error(fn, match):
+    with pytest.raises(StoreError, match=match) as info:
+        fn()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # reaped: the pid names no process now
+    return p.pid
+
+
+def test_runs_record_host_and_pid(db):
+    import os
+    import socket
+
+    db.start_run(RunConfig(), "x")
+    row = db.query("SELECT host, pid, pid_started_at FROM runs").to_pylist()[0]
+    assert (row["host"], row["pid"]) == (socket.gethostname(), os.getpid())
+    assert row["pid_started_at"] == store_mod.process_started_at(os.getpid())
+
+
+def test_stale_running_runs_of_this_host_are_marked_interrupted(tmp_path):
+    import os
+
+    path = tmp_path / "s.duckdb"
+    with Store(path) as s:
+        alive = s.start_run(RunConfig(), "x")  # this process: still running
+        gone = s.start_run(RunConfig(), "x")
+        s.write_document(gone, doc())
+        reused = s.start_run(RunConfig(), "x")  # the pid lives, but it is another process now
+        elsewhere = s.start_run(RunConfig(), "x")
+        done = s.start_run(RunConfig(), "x")
+        s.finish_run(done, "completed")
+        pid = dead_pid()
+        s.query(f"UPDATE runs SET pid = {pid} WHERE run_id IN ('{gone}', '{elsewhere}', '{done}')")
+        s.query(f"UPDATE runs SET pid_started_at = pid_started_at - 3600 WHERE run_id = '{reused}'")
+        s.query(f"UPDATE runs SET host = 'another-host' WHERE run_id = '{elsewhere}'")
+        assert s.interrupted_runs == []
+    with Store(path, read_only=True) as ro:  # a reader changes nothing
+        assert ro.query("SELECT count(*) FROM runs WHERE status = 'running'").column(0)[0].as_py() == 4
+    can_tell_start = store_mod.process_started_at(os.getpid()) is not None
+    with Store(path) as s:
+        expected = {gone, reused} if can_tell_start else {gone}
+        assert set(s.interrupted_runs) == expected
+        status = {r["run_id"]: r for r in s.query("SELECT * FROM runs").to_pylist()}
+    assert {r for r, row in status.items() if row["status"] == "interrupted"} == expected
+    assert status[alive]["status"] == "running" and status[elsewhere]["status"] == "running"
+    assert status[done]["status"] == "completed"
+    assert status[gone]["n_documents"] == 1 and status[gone]["finished_at"] is not None
+    assert "interrupted" in store_mod.RUN_STATUSES
+
+
+def test_foreign_duckdb_file_is_refused_before_anything_is_written(tmp_path):
+    import duckdb
+
+    path = tmp_path / "theirs.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE runs (id INTEGER, name VARCHAR); INSERT INTO runs VALUES (1, 'mine')")
+    con.close()
+    before = path.read_bytes()
+    msg = one_line_error(lambda: Store(path), "not a nestedkv store")
+    assert str(path) in msg
+    one_line_error(lambda: Store(path, read_only=True), "not a nestedkv store")
+    assert path.read_bytes() == before
+    con = duckdb.connect(str(path), read_only=True)
+    assert con.execute("SELECT table_name FROM duckdb_tables()").fetchall() == [("runs",)]
+    assert con.execute("SELECT * FROM runs").fetchall() == [(1, "mine")]
+    con.close()
+
+
+@pytest.mark.parametrize("ddl, match", [
+    ("CREATE TABLE schema_version (version INTEGER); INSERT INTO schema_version VALUES (99)", "schema version 99"),
+    ("CREATE TABLE schema_version (v VARCHAR); INSERT INTO schema_version VALUES ('x')", "not a nestedkv store"),
+    ("CREATE VIEW v AS SELECT 1 AS a", "not a nestedkv store"),
+])
+def test_other_schema_versions_are_refused(tmp_path, ddl, match):
+    import duckdb
+
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(ddl)
+    con.close()
+    one_line_error(lambda: Store(path), match)
+    con = duckdb.connect(str(path), read_only=True)
+    assert con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'runs'").fetchall() == [(0,)]
+    con.close()
+
+
+def test_an_empty_duckdb_file_is_initialized(tmp_path):
+    import duckdb
+
+    path = tmp_path / "empty.duckdb"
+    duckdb.connect(str(path)).close()
+    with Store(path) as s:
+        assert s.query("SELECT version FROM schema_version").column(0).to_pylist() == [store_mod.SCHEMA_VERSION]
+
+
+# The version-1 schema as commit 2a6306a created it (tables only; its views are replaced on migration).
+V1_DDL = """
+CREATE TABLE schema_version (version INTEGER);
+INSERT INTO schema_version VALUES (1);
+CREATE TABLE runs (run_id VARCHAR, created_at TIMESTAMP, finished_at TIMESTAMP, task VARCHAR, model VARCHAR,
+  press VARCHAR, compression_ratio DOUBLE, budget INTEGER, head_budget VARCHAR, prefill_step_size INTEGER,
+  max_new_tokens INTEGER, config_json VARCHAR, config_hash VARCHAR, reference_config_hash VARCHAR,
+  code_version VARCHAR, input VARCHAR, status VARCHAR, n_documents INTEGER, n_errors INTEGER, PRIMARY KEY (run_id));
+CREATE TABLE documents (doc_id VARCHAR, content_sha256 VARCHAR, n_chars BIGINT, n_tokens INTEGER, title VARCHAR,
+  PRIMARY KEY (content_sha256, doc_id));
+CREATE TABLE outputs (run_id VARCHAR, doc_id VARCHAR, content_sha256 VARCHAR, question_idx INTEGER,
+  question VARCHAR, output VARCHAR, gold VARCHAR, status VARCHAR, error VARCHAR, n_tokens INTEGER,
+  n_question_tokens INTEGER, n_generated INTEGER, prefill_s DOUBLE, compress_s DOUBLE, decode_s DOUBLE,
+  prefill_tok_s DOUBLE, decode_tok_s DOUBLE, peak_prefill_bytes BIGINT, peak_decode_bytes BIGINT);
+CREATE TABLE layer_memory (run_id VARCHAR, doc_id VARCHAR, content_sha256 VARCHAR, layer INTEGER,
+  n_kv_heads INTEGER, head_dim INTEGER, dtype VARCHAR, tokens_seen INTEGER, kept_min INTEGER, kept_max INTEGER,
+  kept_mean DOUBLE, bytes_full BIGINT, bytes_kept BIGINT, bytes_resident BIGINT);
+CREATE TABLE evaluations (run_id VARCHAR, doc_id VARCHAR, question_idx INTEGER, metric VARCHAR, value DOUBLE,
+  reference_run_id VARCHAR);
+CREATE TABLE input_errors (run_id VARCHAR, source VARCHAR, row_number INTEGER, doc_id VARCHAR, field VARCHAR,
+  message VARCHAR);
+CREATE VIEW memory_savings AS SELECT run_id FROM runs;
+INSERT INTO runs (run_id, press, config_hash, status) VALUES ('old-run', 'nestedkv', 'h', 'completed');
+INSERT INTO documents VALUES ('d0', 'sha0', 10, 5, 'Old');
+INSERT INTO outputs (run_id, doc_id, content_sha256, question_idx, status, n_tokens)
+  VALUES ('old-run', 'd0', 'sha0', 0, 'ok', 5);
+INSERT INTO layer_memory (run_id, doc_id, content_sha256, layer, bytes_full, bytes_kept, bytes_resident)
+  VALUES ('old-run', 'd0', 'sha0', 0, 1000, 400, 500);
+"""
+
+
+def test_a_version_1_store_is_migrated_in_place(tmp_path):
+    import duckdb
+
+    path = tmp_path / "v1.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(V1_DDL)
+    con.close()
+    with Store(path, read_only=True) as ro:  # read as it is, not migrated
+        assert ro.query("SELECT version FROM schema_version").column(0).to_pylist() == [1]
+    with Store(path) as s:
+        assert s.query("SELECT version FROM schema_version").column(0).to_pylist() == [2]
+        cols = {(r["table_name"], r["column_name"]) for r in s.query(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database()"
+        ).to_pylist()}
+        for table, columns in store_mod.TABLES.items():
+            assert {(table, c) for c, _ in columns} <= cols
+        assert s.query("SELECT run_id, status, host FROM runs").to_pylist() == [
+            {"run_id": "old-run", "status": "completed", "host": None}]
+        assert s.query("SELECT n_tokens FROM outputs").column(0).to_pylist() == [5]
+        assert s.query("SELECT bytes_kept FROM memory_savings").column(0).to_pylist() == [400]  # view replaced
+        assert s.query("SELECT * FROM peak_savings").num_rows == 0
+        run = s.start_run(RunConfig(), "x")  # the migrated store takes new rows
+        s.write_document(run, doc())
+        s.finish_run(run, "completed")
+    with Store(path) as s:  # a second open finds version 2 and changes nothing
+        assert s.query("SELECT count(*) FROM runs").column(0)[0].as_py() == 2
+
+
+def test_parent_folder_that_cannot_be_created(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    (tmp_path / "afile").write_text("x")
+    msg = one_line_error(lambda: Store(tmp_path / "afile" / "sub" / "r.duckdb"), "cannot create the folder")
+    assert "afile" in msg
+
+    def read_only_fs(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only_fs)
+    one_line_error(lambda: Store(tmp_path / "ro" / "r.duckdb"), "Read-only file system")
+
+
+DISK_FULL = """
+import resource, signal, sys
+from pipeline.store import Store, StoreError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    Store(sys.argv[1]).close()
+    print("opened")
+except StoreError as e:
+    print("StoreError:", e)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+@pytest.mark.parametrize("limit", [4096, 12288])  # full while creating the file; full while setting it up
+def test_disk_full_at_start_is_one_line_and_leaves_no_file(tmp_path, limit):
+    path = tmp_path / "full.duckdb"
+    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(path), str(limit)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stdout.splitlines()
+    assert line.startswith(f"StoreError: {path}:") and "File too large" in line
+    assert not path.exists() and not (tmp_path / "full.duckdb.wal").exists()
+
+
+HOLDER = """
+import sys, duckdb
+con = duckdb.connect(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+con.close()
+"""
+
+
+def test_wait_retries_a_held_lock_until_it_is_free(tmp_path):
+    path = tmp_path / "held.duckdb"
+    Store(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    waits = []
+
+    def on_wait(waited_s, wait_s):
+        waits.append((waited_s, wait_s))
+        if len(waits) == 2:  # the holder lets go while we wait
+            holder.stdin.close()
+            holder.wait(timeout=30)
+
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with Store(path, wait_s=120, on_wait=on_wait) as s:
+            s.start_run(RunConfig(), "x")
+        assert len(waits) >= 2 and all(w == 120 for _, w in waits)
+        assert waits[0][0] <= waits[1][0]
+    finally:
+        if holder.poll() is None:
+            holder.stdin.close()
+            holder.wait(timeout=30)
+
+
+def test_wait_gives_up_with_one_line(tmp_path):
+    path = tmp_path / "held.duckdb"
+    Store(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    waits = []
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        msg = one_line_error(lambda: Store(path, wait_s=0.5, on_wait=lambda *a: waits.append(a)),
+                             "another process holds")
+        assert "after waiting" in msg and waits
+        assert isinstance(pytest.raises(store_mod.StoreLockedError, Store, path).value, StoreError)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert path.exists()  # a held store is never removed
+
+
+def test_resume_is_by_doc_id_and_content(db):
+    cfg = RunConfig(compression_ratio=0.5)
+    run = db.start_run(cfg, "x")
+    db.write_document(run, doc("d1", "a" * 64))
+    db.write_document(run, doc("d2", "b" * 64, status=ERROR, error="oom"))
+    assert db.done_documents(cfg) == {("d1", "a" * 64)}
+    # The same text under a new id is not done: ("copy", "a"*64) is not in the set.
+    assert ("copy", "a" * 64) not in db.done_documents(cfg)
+    later = db.start_run(cfg, "x")
+    db.write_document(later, doc("copy", "a" * 64))
+    assert db.done_documents(cfg) == {("d1", "a" * 64), ("copy", "a" * 64)}
+    assert count(db, "documents", "content_sha256 = '" + "a" * 64 + "'") == 2
+
+
+def test_truncated_rerun_keeps_the_documents_full_length(db):
+    db.write_document(db.start_run(RunConfig(), "x"), doc())  # 100 tokens, fed whole
+    truncated = doc()
+    truncated.n_tokens = 60  # what was fed
+    truncated.n_tokens_full = 100  # the document's own length
+    run = db.start_run(RunConfig(), "x")
+    db.write_document(run, truncated)
+    assert db.query("SELECT n_tokens FROM documents").column(0).to_pylist() == [100]
+    assert set(db.query(f"SELECT n_tokens FROM outputs WHERE run_id = '{run}'").column(0).to_pylist()) == {60}
+
+
+def test_peak_kv_columns_and_peak_savings_view(db):
+    from dataclasses import replace
+
+    cfg = RunConfig(compression_ratio=0.5)
+    run = db.start_run(cfg, "x")
+    a = doc("d1", "a" * 64)  # document-level peaks
+    a.peak_kv_prefill_bytes, a.peak_kv_decode_bytes = 3000, 4000
+    b = doc("d2", "b" * 64)  # only per-layer peaks: the view sums them
+    b.layers = [replace(lm, peak_prefill_kv_bytes=1000, peak_decode_kv_bytes=1500) for lm in b.layers]
+    c = doc("d3", "c" * 64)  # no peaks measured (0, the default): left out of the view
+    for r in (a, b, c):
+        db.write_document(run, r)
+    out = {r["doc_id"]: r for r in db.query(
+        "SELECT DISTINCT doc_id, peak_kv_prefill_bytes, peak_kv_decode_bytes FROM outputs").to_pylist()}
+    assert (out["d1"]["peak_kv_prefill_bytes"], out["d1"]["peak_kv_decode_bytes"]) == (3000, 4000)
+    assert out["d2"]["peak_kv_prefill_bytes"] in (None, 0)
+    lm = db.query("SELECT peak_prefill_kv_bytes, peak_decode_kv_bytes FROM layer_memory WHERE doc_id = 'd2'")
+    assert lm.column(0).to_pylist() == [1000, 1000] and lm.column(1).to_pylist() == [1500, 1500]
+
+    (p,) = db.query("SELECT * FROM peak_savings").to_pylist()
+    full = sum(x.bytes_full for x in a.layers) + sum(x.bytes_full for x in b.layers)
+    assert (p["run_id"], p["n_documents"], p["bytes_full"]) == (run, 2, full)
+    assert (p["peak_prefill_kv_bytes"], p["peak_decode_kv_bytes"]) == (3000 + 2000, 4000 + 3000)
+    assert p["prefill_peak_share"] == pytest.approx(5000 / full)
+    assert p["decode_peak_share"] == pytest.approx(7000 / full)
+    assert p["prefill_saved_mib"] == pytest.approx((full - 5000) / MIB)
+    assert p["decode_saved_mib"] == pytest.approx((full - 7000) / MIB)
+
+
+def test_runs_prefill_comes_from_the_config(db):
+    class Cfg(RunConfig):  # a subclass, so the test holds with or without RunConfig.prefill
+        prefill: str = "streaming"
+
+    db.start_run(Cfg(), "x")
+    assert db.query("SELECT prefill FROM runs").column(0).to_pylist() == ["streaming"]
+
+
+def test_values_past_int32_are_one_line_store_errors(db):
+    big = RunConfig().model_copy(update={"budget": 3_000_000_000})
+    msg = one_line_error(lambda: db.start_run(big, "x"), r"runs\.budget")
+    assert "INTEGER" in msg and str(db.path) in msg
+    big = RunConfig().model_copy(update={"max_new_tokens": 3_000_000_000})
+    one_line_error(lambda: db.start_run(big, "x"), r"runs\.max_new_tokens")
+    assert count(db, "runs") == 0
+
+    run = db.start_run(RunConfig(), "x")
+    bad = doc()
+    bad.questions[0].n_generated = 2**31
+    one_line_error(lambda: db.write_document(run, bad), r"outputs\.n_generated")
+    assert count(db, "outputs") == 0 and count(db, "documents") == 0
+    db.write_document(run, doc())  # the store is still usable
+    assert count(db, "outputs") == 2
+
+
+def test_a_run_whose_process_was_killed_is_interrupted_by_the_next_writer(tmp_path):
+    path = tmp_path / "k.duckdb"
+    killed = textwrap.dedent(f"""
+        import os
+        from pipeline.config import RunConfig
+        from pipeline.store import Store
+        s = Store({str(path)!r})
+        print(s.start_run(RunConfig(), "x"), flush=True)
+        os._exit(9)  # no close, no finish_run: as after kill -9
+    """)
+    out = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True, timeout=120)
+    run = out.stdout.strip()
+    with Store(path, read_only=True) as ro:
+        assert ro.query("SELECT status FROM runs").column(0).to_pylist() == ["running"]
+    with Store(path) as s:
+        assert s.interrupted_runs == [run]
+        assert s.query("SELECT status FROM runs").column(0).to_pylist() == ["interrupted"]
+
+
+def test_a_file_that_is_not_duckdb_is_refused_and_kept(tmp_path):
+    path = tmp_path / "notes.duckdb"
+    path.write_text("not a database")
+    for read_only in (False, True):
+        one_line_error(lambda: Store(path, read_only=read_only), "cannot open database")
+    assert path.read_text() == "not a database"
