@@ -9,7 +9,7 @@ import datetime as dt
 import decimal
 import math
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -22,8 +22,6 @@ from prefect.artifacts import (
 
 from pipeline.store import Store
 
-SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "n_documents",
-                   "kept_share", "saved_share", "resident_share", "saved_mib")
 LAYER_COLUMNS = ("layer", "tokens_seen", "kept_min", "kept_max", "kept_mean", "kept_share", "saved_share",
                  "resident_share", "saved_mib")
 
@@ -69,18 +67,6 @@ class ProgressReport:
         _safe("progress", update_progress_artifact, self.id, progress=100.0 * done / self.total, description=text)
 
 
-def savings_rows(store: Store, run_ids: Iterable[str]) -> list[dict]:
-    ids = list(run_ids)
-    if not ids:
-        return []
-    rows = store.query(
-        f"SELECT {', '.join(SAVINGS_COLUMNS)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
-        "ORDER BY press, compression_ratio, head_budget, budget",
-        [ids],
-    ).to_pylist()
-    return [{k: _plain(v) for k, v in r.items()} for r in rows]
-
-
 def layer_rows(store: Store, run_id: str) -> list[dict]:
     rows = store.query(
         f"SELECT {', '.join(LAYER_COLUMNS)} FROM layer_savings WHERE run_id = ? ORDER BY layer", [run_id]
@@ -98,17 +84,15 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def publish_tables(store: Store, flow_name: str, run_ids: list[str]) -> tuple[list[dict], list[dict]]:
-    """Table artifacts: memory savings per run, and per layer for the last run. Returns both row lists."""
-    savings = savings_rows(store, run_ids)
-    layers = layer_rows(store, run_ids[-1]) if run_ids else []
+def publish_tables(flow_name: str, savings: list[dict], layers: list[dict], run_ids: list[str]) -> None:
+    """Table artifacts: memory savings per run, and per layer for the last run."""
+    savings = [{k: _plain(v) for k, v in r.items()} for r in savings]
     if savings:
         _safe("savings table", create_table_artifact, table=savings, key=artifact_key(flow_name, "memory-savings"),
               description="KV memory saved per run (bytes_kept / bytes_full over all layers and documents)")
     if layers:
         _safe("layer table", create_table_artifact, table=layers, key=artifact_key(flow_name, "layer-savings"),
               description=f"KV memory saved per layer, run {run_ids[-1]}")
-    return savings, layers
 
 
 def publish_report(flow_name: str, title: str, sections: list[tuple[str, str]]) -> None:

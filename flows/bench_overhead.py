@@ -27,17 +27,18 @@ def _timed(fn):
 
 @contextmanager
 def _noop_runner():
-    """Runner.run returns an empty ok result at once: what remains is orchestration and the store."""
+    """The engine's per-document compute returns empty ok results at once: what remains is orchestration
+    and the store."""
+    from pipeline import engine
     from pipeline.results import DocumentResult
-    from pipeline.runner import Runner
 
-    real = Runner.run
-    Runner.run = lambda self, doc, on_prefill=None: DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars,
-                                                                     doc.title)
+    real = engine.compute
+    engine.compute = lambda runner, doc, configs, **_: [
+        engine.Outcome(c, DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)) for c in configs]
     try:
         yield
     finally:
-        Runner.run = real
+        engine.compute = real
 
 
 def _replicated(input: str, copies: int, workdir: Path) -> str:
@@ -56,9 +57,9 @@ def _replicated(input: str, copies: int, workdir: Path) -> str:
 
 def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: Path,
             with_model: bool = True) -> dict:
-    from flows.batch import FLOWS, BatchOptions
-    from pipeline.batch import make_runner, run_batch
-    from pipeline.config import RunConfig
+    from flows.batch import FLOWS
+    from pipeline.config import BatchOptions, RunConfig
+    from pipeline.engine import make_runner, run
     from pipeline.documents import load_documents
 
     docs, _ = load_documents(input)
@@ -71,7 +72,7 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
         return str(workdir / f"bench-{next(counter)}.duckdb")
 
     def direct(db=None):
-        return _timed(lambda: run_batch(input, config, db or fresh_db()))[0]
+        return _timed(lambda: run(input, [config], db or fresh_db()))[0]
 
     def flow(db=None):
         return _timed(lambda: FLOWS["summarize"](input=input, model=model, db=db or fresh_db(), options=options))[0]
@@ -87,7 +88,7 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
         many = _replicated(input, 20, workdir)
         n_many = 20 * n
         t_many = min(_timed(lambda: FLOWS["summarize"](input=many, model=model, db=fresh_db(), options=options))[0]
-                     - _timed(lambda: run_batch(many, config, fresh_db()))[0] for _ in range(repeats))
+                     - _timed(lambda: run(many, [config], fresh_db()))[0] for _ in range(repeats))
     real_direct, real_flow = [], []
     for _ in range(repeats if with_model else 0):  # interleaved, so load drift hits both alike
         real_direct.append(direct())

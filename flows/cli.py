@@ -10,31 +10,47 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-from pipeline.config import DEFAULT_MODEL, QA_INSTRUCTION, SUMMARY_INSTRUCTION, RunConfig
+from flows.options import generation_options, press_options
+from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
 console = Console(stderr=True)
 # Tables go to stdout; piped output gets a wide console instead of rich's 80-column default.
 out_console = Console(width=None if sys.stdout.isatty() else 160)
-SAVINGS_COLUMNS = "run_id, press, compression_ratio, head_budget, budget, n_documents, kept_share, saved_share, saved_mib"
-DEFAULT_DB = "runs.duckdb"
-
-# kvpress users' spellings work beside ours.
-PressOpt = typer.Option("nestedkv", "--press", "--press-name", help="nestedkv, keydiff, knorm, streaming_llm, random, no_press")
-RatioOpt = typer.Option(0.75, "--compression-ratio", "--compression_ratio", help="fraction of context KV entries removed, in [0, 1)")
-BudgetOpt = typer.Option(None, "--budget", help="absolute tokens kept per KV head (wins over the ratio)")
-HeadBudgetOpt = typer.Option("uniform", "--head-budget", "--head_budget", help="uniform or adaptive")
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="smollm2-135m, an mlx-lm directory, a .gguf file or a HF repo id")
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file")
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def plain(text) -> str:
+    """User text made safe for a terminal: control characters (escape sequences, newlines) shown escaped."""
+    return str(text).translate(_CONTROL)
+
+
+def say(*parts, style: Optional[str] = None) -> None:
+    """One line to stderr. Strings are literal (never Rich markup) and control characters are escaped;
+    ``(text, style)`` pairs are styled. soft_wrap: one line even when stderr is not a terminal."""
+    line = Text.assemble(*((plain(p[0]), p[1]) if isinstance(p, tuple) else plain(p) for p in parts))
+    if style:
+        line.stylize(style)
+    console.print(line, highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = 2) -> None:
-    # soft_wrap: one line even when stderr is not a terminal (rich would wrap at 80 columns).
-    console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    say(("error:", "red"), " ", message)
     raise typer.Exit(code)
+
+
+def markup_safe(text) -> str:
+    """User text inside a Rich markup string (progress descriptions)."""
+    return escape(plain(text))
 
 
 @contextmanager
@@ -48,16 +64,6 @@ def user_errors():
         yield
     except (InputError, StoreError, ModelLoadError) as exc:
         fail(str(exc))
-
-
-def make_config(**kw) -> RunConfig:
-    from pydantic import ValidationError
-
-    try:
-        return RunConfig(**kw)
-    except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        fail(f"invalid options: {msgs}")
 
 
 def progress_bars() -> Progress:
@@ -87,70 +93,179 @@ def print_table(table, fmt: str = "table", title: Optional[str] = None) -> None:
     for i, name in enumerate(table.column_names):
         # Short columns (ids, numbers) never wrap; long text folds.
         widest = max([len(name)] + [len(c[i]) for c in cells])
-        out.add_column(name, overflow="fold", min_width=min(widest, 28))
+        out.add_column(Text(plain(name)), overflow="fold", min_width=min(widest, 28))
     for c in cells:
-        out.add_row(*c)
+        out.add_row(*(Text(plain(v)) for v in c))
     out_console.print(out)
 
 
+InputOpt = typer.Option(DEFAULT_INPUT, "--input", help="Parquet file, glob or folder")
+TaskOpt = typer.Option("summarize", "--task", help="summarize or qa")
+
+
+def split_list(value: Optional[str], cast, flag: str) -> list:
+    try:
+        return [cast(v.strip()) for v in (value or "").split(",") if v.strip()]
+    except ValueError:
+        fail(f"{flag}: expected a comma-separated list, got {value!r}")
+
+
+def invalid(exc: Exception) -> None:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
+                                             for e in exc.errors()))
+    fail(f"invalid options: {exc}")
+
+
+def build(task: str, model: str, press: dict, generation: dict):
+    """The configurations (every combination of the press options) and the batch options."""
+    from pipeline.config import BatchOptions, parse_press_param
+    from pipeline.engine import make_configs
+
+    try:
+        options = BatchOptions(**generation)
+        params = dict(parse_press_param(p) for p in press["press_param"] or [])
+        base = RunConfig(task=task, model=model, **options.generation())
+        configs = make_configs(
+            base, split_list(press["press"], str, "--press"),
+            split_list(press["compression_ratio"], float, "--compression-ratio"),
+            split_list(press["budget"], int, "--budget"), split_list(press["head_budget"], str, "--head-budget"),
+            split_list(press["prefill"], str, "--prefill"), params)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        invalid(exc)
+    return configs, options
+
+
+@contextmanager
+def batch_progress(configs_bar: bool = False):
+    """Progress bars for documents, configurations and prefill chunks, as engine hooks."""
+    from pipeline.engine import Hooks
+
+    with progress_bars() as bars:
+        docs = bars.add_task("documents", total=None)
+        cfgs = bars.add_task("configurations", total=None, visible=configs_bar)
+        chunks = bars.add_task("prefill", total=None)
+
+        def on_config(i, n, cfg, res):
+            bars.update(cfgs, completed=i, total=n, description=markup_safe(f"configurations ({cfg.label()}: {res.status})"))
+
+        yield Hooks(
+            on_start=lambda plan: bars.update(docs, total=len(plan.todo_docs)),
+            on_prefill=lambda done, total: bars.update(chunks, completed=done, total=total),
+            on_config=on_config,
+            on_document=lambda i, n, doc, out: bars.update(docs, completed=i, total=n,
+                                                           description=markup_safe(f"documents ({doc.doc_id})")),
+        )
+
+
+def print_summary(summary, db: str) -> None:
+    import pyarrow as pa
+
+    for err in summary.input_errors:
+        say(f"skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}",
+            style="yellow")
+    say(
+        f"{len(summary.runs)} runs, {summary.n_processed} documents prefilled once each, {summary.n_ok} done, "
+        f"{summary.n_failed} failed, {summary.n_skipped} already done, {len(summary.input_errors)} bad rows -> {db}")
+    if summary.savings:
+        print_table(pa.Table.from_pylist(summary.savings), title="memory savings")
+
+
 @app.command()
-def run(
-    input: str = typer.Option("data/sample_batch.parquet", "--input", help="Parquet file, glob or folder"),
-    task: str = typer.Option("summarize", "--task", help="summarize or qa"),
-    press: str = PressOpt,
-    compression_ratio: float = RatioOpt,
-    budget: Optional[int] = BudgetOpt,
-    head_budget: str = HeadBudgetOpt,
+@press_options()
+@generation_options()
+def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
+        press: dict = None, generation: dict = None):
+    """Run a batch through the Prefect flow and store outputs and per-layer KV memory (several press
+    values: every combination, one run each)."""
+    from flows.batch import FLOWS, budget_sweep
+
+    from flows.local_server import local_api
+
+    configs, options = build(task, model, press, generation)
+    check_before_flow(input, model, db, options.wait)
+    exit_on_sigterm()
+    with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
+        if len(configs) == 1:
+            c = configs[0]
+            summary = FLOWS[c.task](input=input, press=c.press, compression_ratio=c.compression_ratio,
+                                    budget=c.budget, head_budget=c.head_budget, prefill=c.prefill,
+                                    press_params=c.press_params, model=c.model, db=db, options=options, hooks=hooks)
+        else:
+            summary = budget_sweep(input=input, **sweep_parameters(configs), task=task, model=model, db=db,
+                                   reference=False, evaluate=False, options=options, hooks=hooks)
+    print_summary(summary, db)
+
+
+def sweep_parameters(configs) -> dict:
+    """The budget-sweep flow's press lists that rebuild ``configs`` (every combination of them)."""
+    def values(field):
+        return list(dict.fromkeys(getattr(c, field) for c in configs if not c.is_reference))
+
+    budgets = [b for b in values("budget") if b is not None]
+    return {"presses": list(dict.fromkeys(c.press for c in configs)), "compression_ratios": values("compression_ratio"),
+            "budgets": budgets or None, "head_budgets": values("head_budget"), "prefills": values("prefill"),
+            "press_params": configs[-1].press_params}
+
+
+@app.command()
+@press_options(press="nestedkv,keydiff", compression_ratio="0.5,0.75,0.9")
+@generation_options()
+def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
+          evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
+          press: dict = None, generation: dict = None):
+    """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
+    from flows.batch import budget_sweep
+    from flows.local_server import local_api
+
+    configs, options = build(task, model, press, generation)
+    check_before_flow(input, model, db, options.wait)
+    exit_on_sigterm()
+    say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
+    with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
+        summary = budget_sweep(input=input, **sweep_parameters(configs), task=task, model=model, db=db,
+                               evaluate=evaluate, options=options, hooks=hooks)
+    print_summary(summary, db)
+
+
+@app.command()
+@press_options()
+@generation_options(exclude=("batch_decode",))
+def serve(
+    cron: str = typer.Option("0 2 * * *", "--cron", help="when to run, as a cron expression"),
+    name: str = typer.Option("nightly", "--name", help="deployment name: <flow>/<name>"),
+    input: str = InputOpt,
+    task: str = typer.Option("summarize", "--task", help="summarize (flow summarize-batch) or qa (qa-batch)"),
     model: str = ModelOpt,
     db: str = DbOpt,
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
-    truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
-    summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
-    qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
-    repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", help="default 1.1 for summaries, none for qa; 1.0 disables"),
-    retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
+    pool: Optional[str] = typer.Option(None, "--pool", help="register in this process work pool instead of "
+                                       "serving here; run it with `prefect worker start --pool POOL --limit 1`"),
+    press: dict = None,
+    generation: dict = None,
 ):
-    """Run a batch of documents through the Prefect flow and store outputs and per-layer KV memory."""
-    from flows.batch import FLOWS, BatchOptions, reporting
+    """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
+    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
 
-    generation = dict(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                      summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-                      repetition_penalty=repetition_penalty)
-    config = make_config(task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-                         head_budget=head_budget, **generation)
-    check_input_early(input)
-    exit_on_sigterm()
-    options = BatchOptions(**generation, retries=retries)
-    with user_errors(), progress_bars() as bars:
-        docs_bar = bars.add_task("documents", total=None)
-        chunk_bar = bars.add_task("prefill", total=None)
-
-        def on_prefill(done, total):
-            bars.update(chunk_bar, completed=done, total=total)
-
-        def on_document(i, n, res):
-            bars.update(docs_bar, completed=i, total=n, description=f"documents ({res.doc_id}: {res.status})")
-
-        with reporting(on_start=lambda n: bars.update(docs_bar, total=n), on_document=on_document,
-                       on_prefill=on_prefill):
-            summary = FLOWS[config.task](
-                input=input, press=config.press, compression_ratio=config.compression_ratio, budget=config.budget,
-                head_budget=config.head_budget, model=config.model, db=db, options=options,
-            )
-    for err in summary.input_errors:
-        console.print(f"[yellow]skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}")
-    console.print(
-        f"run {summary.run_id}: {summary.n_done} done, {summary.n_failed} failed, {summary.n_skipped} already done, "
-        f"{len(summary.input_errors)} bad rows -> {db}"
-    )
-    with user_errors():
-        from pipeline.store import Store
-
-        with Store(db, read_only=True) as store:
-            print_table(store.query(f"SELECT {SAVINGS_COLUMNS} FROM memory_savings WHERE run_id = ?", [summary.run_id]),
-                        title="memory savings")
+    configs, options = build(task, model, press, generation)
+    if len(configs) != 1:
+        fail("a deployment runs one press configuration: give one value per press option")
+    c = configs[0]
+    params = dict(name=name, cron=cron, input=input, press=c.press, compression_ratio=c.compression_ratio,
+                  budget=c.budget, head_budget=c.head_budget, prefill=c.prefill, press_params=c.press_params,
+                  model=c.model, db=db, options=options)
+    try:
+        check_server()  # first: without a server nothing else matters
+        if pool:
+            deployment_id = deploy_batch(c.task, pool=pool, **params)
+            say(f"deployment {c.task}-batch/{name} ({deployment_id}) is in work pool {pool!r}; start one "
+                f"worker per machine: prefect worker start --pool {pool} --limit 1")
+        else:
+            check_input_early(input)  # runs start here, so the input must be here
+            serve_batch(c.task, **params)
+    except ServerUnavailable as exc:
+        fail(str(exc))
 
 
 def exit_on_sigterm() -> None:
@@ -161,133 +276,25 @@ def exit_on_sigterm() -> None:
 
 
 def check_input_early(input: str) -> None:
-    """Fail on a missing or unreadable input before a flow (and Prefect's temporary server) starts."""
+    """Fail on a missing or damaged input before a flow (and Prefect's temporary server) starts."""
     from pipeline.documents import check_input
 
     with user_errors():
-        check_input(input)
+        check_input(input, pages=True)
 
 
-def split_list(value: str, cast, flag: str) -> list:
-    try:
-        return [cast(v.strip()) for v in value.split(",") if v.strip()]
-    except ValueError:
-        fail(f"{flag}: expected a comma-separated list, got {value!r}")
+def check_before_flow(input: str, model: str, db: str, wait: float = 0.0) -> None:
+    """What can be checked before a flow starts is checked here, so an expected error is one line and
+    leaves nothing behind: the input's pages, the model reference, and that the store opens for writing."""
+    from pipeline.models import check_model
+    from pipeline.store import Store
 
-
-@app.command()
-def sweep(
-    input: str = typer.Option("data/sample_batch.parquet", "--input", help="Parquet file, glob or folder"),
-    task: str = typer.Option("summarize", "--task", help="summarize or qa"),
-    press: str = typer.Option("nestedkv,keydiff", "--press", "--press-name", help="comma-separated presses"),
-    compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio", "--compression_ratio",
-                                          help="comma-separated fractions removed"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="comma-separated tokens per head (replaces ratios)"),
-    head_budget: str = typer.Option("uniform", "--head-budget", "--head_budget", help="uniform,adaptive"),
-    model: str = ModelOpt,
-    db: str = DbOpt,
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
-    truncate: bool = typer.Option(False, "--truncate", help="cut the middle of documents longer than the model window"),
-    summary_instruction: str = typer.Option(SUMMARY_INSTRUCTION, "--summary-instruction"),
-    qa_instruction: str = typer.Option(QA_INSTRUCTION, "--qa-instruction", help="must contain {question}"),
-    repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", help="default 1.1 for summaries, none for qa; 1.0 disables"),
-    retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
-    evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
-):
-    """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
-    from pydantic import ValidationError
-
-    from flows.batch import BatchOptions, reporting
-    from flows.sweep import budget_sweep, configs_for, summary_run_ids
-
-    presses = split_list(press, str, "--press")
-    ratios = split_list(compression_ratio, float, "--compression-ratio")
-    budgets = split_list(budget, int, "--budget") if budget else None
-    modes = split_list(head_budget, str, "--head-budget")
-    generation = dict(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                      summary_instruction=summary_instruction, qa_instruction=qa_instruction,
-                      repetition_penalty=repetition_penalty)
-    make_config(task=task, model=model, **generation)
-    options = BatchOptions(**generation, retries=retries)
-    try:
-        configs = configs_for(task, model, presses, ratios, modes, budgets, options)
-    except ValidationError as exc:
-        fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                                             for e in exc.errors()))
-    except ValueError as exc:
-        fail(str(exc))
     check_input_early(input)
-    exit_on_sigterm()
-    console.print(f"{len(configs) - 1} configurations + the no_press reference, one prefill per document")
-    with user_errors(), progress_bars() as bars:
-        docs_bar = bars.add_task("documents", total=None)
-        chunk_bar = bars.add_task("prefill", total=None)
-        with reporting(on_start=lambda n: bars.update(docs_bar, total=n),
-                       on_document=lambda i, n, doc, stored: bars.update(docs_bar, completed=i, total=n,
-                                                                         description=f"documents ({doc.doc_id})"),
-                       on_prefill=lambda done, total: bars.update(chunk_bar, completed=done, total=total)):
-            summary = budget_sweep(input=input, presses=presses, compression_ratios=ratios, head_budgets=modes,
-                                   budgets=budgets, task=task, model=model, db=db, evaluate=evaluate,
-                                   options=options)
-    console.print(
-        f"{len(summary.runs)} runs, {summary.n_swept} documents prefilled once, {summary.n_results} results "
-        f"({summary.n_failed} failed), {summary.n_documents - summary.n_swept} already done -> {db}"
-    )
-    run_ids = summary_run_ids(summary)
-    if run_ids:
-        with user_errors():
-            from pipeline.store import Store
-
-            with Store(db, read_only=True) as store:
-                print_table(store.query(
-                    f"SELECT {SAVINGS_COLUMNS} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
-                    "ORDER BY press, compression_ratio, head_budget", [run_ids]), title="memory savings")
-
-
-@app.command()
-def serve(
-    cron: str = typer.Option("0 2 * * *", "--cron", help="when to run, as a cron expression"),
-    name: str = typer.Option("nightly", "--name", help="deployment name: <flow>/<name>"),
-    input: str = typer.Option("data/sample_batch.parquet", "--input", help="Parquet file, glob or folder"),
-    task: str = typer.Option("summarize", "--task", help="summarize (flow summarize-batch) or qa (qa-batch)"),
-    press: str = PressOpt,
-    compression_ratio: float = RatioOpt,
-    budget: Optional[int] = BudgetOpt,
-    head_budget: str = HeadBudgetOpt,
-    model: str = ModelOpt,
-    db: str = DbOpt,
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
-    truncate: bool = typer.Option(False, "--truncate"),
-    retries: int = typer.Option(2, "--retries", help="task retries for transient errors"),
-    pool: Optional[str] = typer.Option(None, "--pool", help="register in this process work pool instead of "
-                                       "serving here; run it with `prefect worker start --pool POOL --limit 1`"),
-):
-    """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.batch import BatchOptions
-    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
-
-    config = make_config(task=task, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-                         head_budget=head_budget, max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
-                         truncate=truncate)
-    options = BatchOptions(max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size, truncate=truncate,
-                           retries=retries)
-    params = dict(name=name, cron=cron, input=input, press=config.press, compression_ratio=config.compression_ratio,
-                  budget=config.budget, head_budget=config.head_budget, model=config.model, db=db, options=options)
-    try:
-        check_server()  # first: without a server nothing else matters
-        if pool:
-            deployment_id = deploy_batch(config.task, pool=pool, **params)
-            flow_name = f"{config.task}-batch"
-            console.print(f"deployment {flow_name}/{name} ({deployment_id}) is in work pool {pool!r}; start one "
-                          f"worker per machine: prefect worker start --pool {pool} --limit 1", soft_wrap=True)
-        else:
-            check_input_early(input)  # runs start here, so the input must be here
-            serve_batch(config.task, **params)
-    except ServerUnavailable as exc:
-        fail(str(exc))
+    with user_errors():
+        check_model(model)
+        with Store(db, wait_s=wait, on_wait=lambda waited, total: say(
+                f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
+            pass
 
 
 @app.command()
@@ -306,62 +313,32 @@ def query(
 
 
 @app.command("eval")
+@press_options(press="nestedkv,keydiff,knorm,streaming_llm,random", compression_ratio="0.5,0.75,0.9")
+@generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
     input: str = typer.Option("data/eval_set.parquet", "--input", help="Parquet file, glob or folder (with questions)"),
-    press: str = typer.Option("nestedkv,keydiff,knorm,streaming_llm,random", "--press", "--press-name",
-                              help="comma-separated presses"),
-    compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio", "--compression_ratio",
-                                          help="comma-separated fractions removed"),
-    head_budget: str = typer.Option("uniform", "--head-budget", "--head_budget",
-                                    help="uniform,adaptive: multiplies the nestedkv configurations only"),
     model: str = ModelOpt,
     db: str = typer.Option("eval.duckdb", "--db", help="DuckDB file"),
-    max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
-    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
-    batch_decode: bool = typer.Option(True, "--batch-decode/--no-batch-decode",
-                                      help="decode all configurations of a question as one batch (faster on CPU)"),
+    metric: Optional[list[str]] = typer.Option(None, "--metric", help="extra metric, repeatable: gold_kept"),
+    press: dict = None,
+    generation: dict = None,
 ):
     """Answer quality against the uncompressed model: per document one prefill, then every configuration
     (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
-    from pipeline.sweep import run_sweep, sweep_configs
+    from pipeline.engine import run as run_engine
 
-    presses = split_list(press, str, "--press")
-    ratios = split_list(compression_ratio, float, "--compression-ratio")
-    modes = split_list(head_budget, str, "--head-budget")
-    base = make_config(task="qa", model=model, press="no_press", compression_ratio=0.0,
-                       max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size)
+    configs, options = build("qa", model, press, generation)
     try:
-        configs = sweep_configs(base, presses, ratios, modes)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        fail(f"invalid options: {exc}")
-    check_input_early(input)
+        engine_options = options.engine_options(evaluate=True, metrics=tuple(metric or ()))
+    except ValueError as exc:
+        invalid(exc)
+    check_before_flow(input, model, db, options.wait)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
-    console.print(f"{len(configs) - 1} configurations + the no_press reference, one prefill per document")
-    with user_errors(), progress_bars() as bars:
-        docs_bar = bars.add_task("documents", total=None)
-        cfg_bar = bars.add_task("configurations", total=None)
-        chunk_bar = bars.add_task("prefill", total=None)
-
-        def on_start(plan):
-            bars.update(docs_bar, total=len(plan.todo_docs))
-
-        def on_config(i, n, cfg, res):
-            label = cfg.press if cfg.press == "no_press" else f"{cfg.press} r={cfg.compression_ratio:g} {cfg.head_budget}"
-            bars.update(cfg_bar, completed=i, total=n, description=f"configurations ({label}: {res.status})")
-
-        def on_document(i, n, doc, items):
-            bars.update(docs_bar, completed=i, total=n, description=f"documents ({doc.doc_id})")
-
-        summary = run_sweep(input, configs, db, evaluate=True, batch_decode=batch_decode, on_start=on_start,
-                            on_document=on_document, on_config=on_config,
-                            on_prefill=lambda d, t: bars.update(chunk_bar, completed=d, total=t))
-    for err in summary.input_errors:
-        console.print(f"[yellow]skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}")
-    console.print(
-        f"{len(summary.runs)} runs started, {summary.n_swept} documents prefilled once each, {summary.n_results} "
-        f"results ({summary.n_failed} failed), {summary.n_documents - summary.n_swept} already done, "
-        f"{summary.wall_s:.0f} s -> {db}; `nkv report --db {db}` for the table and plot"
-    )
+    say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
+    with user_errors(), batch_progress(configs_bar=True) as hooks:
+        summary = run_engine(input, configs, db, engine_options, hooks=hooks, wait_s=options.wait)
+    print_summary(summary, db)
+    say(f"{summary.wall_s:.0f} s; `nkv report --db {db}` for the table and plot")
 
 
 @app.command()
@@ -375,7 +352,7 @@ def report(
     with user_errors():
         rep = write_report(db, out)
     print_table(rep.table, title="quality against the uncompressed reference")
-    console.print(f"wrote {rep.markdown_path} and {rep.plot_path}")
+    say(f"wrote {rep.markdown_path} and {rep.plot_path}")
 
 
 @app.command()
@@ -389,7 +366,7 @@ def models():
     for k in keys:
         out.add_column(k, overflow="fold")
     for r in rows:
-        out.add_row(*(str(r.get(k, "")) for k in keys))
+        out.add_row(*(Text(plain(r.get(k, ""))) for k in keys))
     out_console.print(out)
 
 

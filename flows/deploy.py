@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from flows.batch import FLOWS, BatchOptions
+from flows.batch import FLOWS
+from pipeline.config import BatchOptions
 
 LOCAL_API = "http://127.0.0.1:4200/api"
 
@@ -42,11 +43,13 @@ def check_server(timeout: float = 3.0) -> str:
 
 
 def batch_parameters(input: str, press: str, compression_ratio: float, budget: Optional[int], head_budget: str,
-                     model: str, db: str, options: Optional[BatchOptions] = None) -> dict:
+                     prefill: str, press_params: Optional[dict], model: str, db: str,
+                     options: Optional[BatchOptions] = None) -> dict:
+    """Every setting as a deployment parameter (``options`` holds the generation settings and retries)."""
     return {
         "input": _absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
-        "head_budget": head_budget, "model": _absolute(model), "db": _absolute(db),
-        "options": (options or BatchOptions()).model_dump(),
+        "head_budget": head_budget, "prefill": prefill, "press_params": press_params or {},
+        "model": _absolute(model), "db": _absolute(db), "options": (options or BatchOptions()).model_dump(),
     }
 
 

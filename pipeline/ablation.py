@@ -2,8 +2,8 @@
 
 Variants of ``NestedKVPress`` (each scale alone, all scales without the surprise gate, the full method, in
 uniform or adaptive head budgets) and optional baselines, all compressed from ONE prefill per document
-and scored against the same uncompressed reference as ``nkv eval`` (``pipeline.sweep`` machinery).
-Nothing is stored; the result is a table. The variants use the method's fixed constants: this is a
+and scored against the same uncompressed reference as ``nkv eval``: an evaluation over press variants
+(``pipeline.engine``), with the ``gold_kept`` metric. The result is a table. The variants use the method's fixed constants: this is a
 diagnosis, not a search over constants.
 
     python -m pipeline.ablation --input data/eval_set.parquet --compression-ratio 0.75,0.9 [--out reports/ablation.md]
@@ -14,35 +14,43 @@ from __future__ import annotations
 import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
 
 import argparse
-import copy
 import math
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
-from nestedkv.press import BasePress, KeyDiffPress, NestedKVPress, NoPress
 from pipeline.config import RunConfig
-from pipeline.documents import load_documents
-from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, ROUGE_L, TOP1
-from pipeline.results import ERROR
-from pipeline.sweep import _answer_together, _compress, _Reference, install_attention_hook
+from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_L, TOP1
 
-# name -> press factory for a compression ratio
-VARIANTS: dict[str, Callable[[float], BasePress]] = {
-    "nestedkv": lambda r: NestedKVPress(compression_ratio=r),
-    "nestedkv adaptive": lambda r: NestedKVPress(compression_ratio=r, head_budget="adaptive"),
-    "no gate": lambda r: NestedKVPress(compression_ratio=r, use_gate=False),
-    "stable only": lambda r: NestedKVPress(compression_ratio=r, scales=(True, False, False)),
-    "block only": lambda r: NestedKVPress(compression_ratio=r, scales=(False, True, False)),
-    "window only": lambda r: NestedKVPress(compression_ratio=r, scales=(False, False, True)),
-    "stable+block": lambda r: NestedKVPress(compression_ratio=r, scales=(True, True, False)),
-    "stable+window": lambda r: NestedKVPress(compression_ratio=r, scales=(True, False, True)),
-    "block+window": lambda r: NestedKVPress(compression_ratio=r, scales=(False, True, True)),
-    "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
-    "keydiff adaptive": lambda r: KeyDiffPress(compression_ratio=r, head_budget="adaptive"),
+# name -> (press, head budget, the method's parameters)
+VARIANTS: dict[str, tuple[str, str, dict]] = {
+    "nestedkv": ("nestedkv", "uniform", {}),
+    "nestedkv adaptive": ("nestedkv", "adaptive", {}),
+    "no gate": ("nestedkv", "uniform", {"use_gate": False}),
+    "stable only": ("nestedkv", "uniform", {"scales": [True, False, False]}),
+    "block only": ("nestedkv", "uniform", {"scales": [False, True, False]}),
+    "window only": ("nestedkv", "uniform", {"scales": [False, False, True]}),
+    "stable+block": ("nestedkv", "uniform", {"scales": [True, True, False]}),
+    "stable+window": ("nestedkv", "uniform", {"scales": [True, False, True]}),
+    "block+window": ("nestedkv", "uniform", {"scales": [False, True, True]}),
+    "keydiff": ("keydiff", "uniform", {}),
+    "keydiff adaptive": ("keydiff", "adaptive", {}),
 }
-GOLD_KEPT = "gold_kept"  # share of the gold answer's context tokens kept, over layers and KV heads
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_KEPT)
+
+
+def variant_configs(base: RunConfig, names: list[str], ratios: list[float]) -> dict[RunConfig, tuple[str, float]]:
+    """config -> (variant, ratio); the no_press reference is ("no_press", 0.0)."""
+    out = {base.reference(): ("no_press", 0.0)}
+    for name in names:
+        press, head_budget, params = VARIANTS[name]
+        for r in ratios:
+            cfg = RunConfig.model_validate({**base.model_dump(), "press": press, "head_budget": head_budget,
+                                            "compression_ratio": r, "press_params": params})
+            out[cfg] = (name, r)
+    return out
 
 
 def ablate(
@@ -53,10 +61,15 @@ def ablate(
     max_new_tokens: int = 24,
     prefill_step_size: int = 512,
     limit: Optional[int] = None,
+    db: Optional[str] = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> tuple[list[dict], dict]:
-    """Mean metrics per (variant, ratio) and per-question values keyed by (variant, ratio, doc, question)."""
-    from pipeline.batch import make_runner
+    """Mean metrics per (variant, ratio) and per-question values keyed by (variant, ratio, doc, question).
+
+    An evaluation through the engine (one prefill per document, batched decode, the ``gold_kept`` hook);
+    the rows land in ``db`` (a temporary store when None)."""
+    from pipeline.engine import EngineOptions, Hooks, run
+    from pipeline.store import Store
 
     names = variants or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -64,41 +77,26 @@ def ablate(
         raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     base = RunConfig(task="qa", model=model, press="no_press", compression_ratio=0.0,
                      max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size)
-    runner = make_runner(base)
-    docs, _ = load_documents(input)
-    docs = docs[:limit] if limit else docs
-    per_q: dict[tuple, dict] = {}
-    for d, doc in enumerate(docs, 1):
+    configs = variant_configs(base, names, ratios)
+    with tempfile.TemporaryDirectory(prefix="nkv-ablation-") as tmp:
+        source = input if not limit else _first(input, limit, Path(tmp))
+        store_path = db or str(Path(tmp) / "ablation.duckdb")
         t0 = time.perf_counter()
-        shell, prepared = runner.start(doc)
-        if prepared is None:
-            log(f"skip {doc.doc_id}: {shell.error}")
-            continue
-        full = runner.prefill(prepared, shell, press=NoPress())
-        ref_res = copy.deepcopy(shell)
-        ref_cache = _clone(runner, full, NoPress())
-        runner.finish(ref_cache, prepared, ref_res)
-        reference = _Reference.build(runner, prepared, ref_res, ref_cache)
-        for k, s in enumerate(reference.own_scores(ref_res)):
-            per_q[("no_press", 0.0, doc.doc_id, k)] = s
-        spans = gold_spans(runner.tokenizer, prepared.context_ids, doc.answers or [])
-        caches, results = {}, {}
-        for name in names:
-            for r in ratios:
-                key = (name, r)
-                press = VARIANTS[name](r)
-                for k, span in spans.items():
-                    per_q.setdefault((name, r, doc.doc_id, k), {})["gold_kept"] = retention(full, press, span)
-                results[key] = copy.deepcopy(shell)
-                caches[key] = _clone(runner, full, press)
-                _compress(caches[key], results[key])
-        scores = _answer_together(runner, prepared, caches, results, reference)
-        for key, ss in scores.items():
-            if results[key].status == ERROR:
-                log(f"{doc.doc_id} {key}: {results[key].error}")
-            for k, s in enumerate(ss):
-                per_q.setdefault((*key, doc.doc_id, k), {}).update(s)
-        log(f"[{d}/{len(docs)}] {doc.doc_id}: {time.perf_counter() - t0:.0f} s")
+        hooks = Hooks(on_document=lambda i, n, doc, _: log(f"[{i}/{n}] {doc.doc_id}: {time.perf_counter() - t0:.0f} s"))
+        summary = run(source, list(configs), store_path,
+                      EngineOptions(evaluate=True, batch_decode=True, metrics=(GOLD_KEPT,)), hooks=hooks)
+        for o in summary.outcomes:
+            if o.result.status != "ok":
+                log(f"{o.result.doc_id} {o.config.label()}: {o.result.error}")
+        with Store(store_path, read_only=True) as store:
+            hashes = {c.config_hash(): key for c, key in configs.items()}
+            got = store.query(
+                "SELECT r.config_hash, e.doc_id, e.question_idx, e.metric, e.value FROM evaluations e "
+                "JOIN runs r USING (run_id)").to_pylist()
+    per_q: dict[tuple, dict] = {}
+    for g in got:
+        name, r = hashes[g["config_hash"]]
+        per_q.setdefault((name, r, g["doc_id"], g["question_idx"]), {})[g["metric"]] = g["value"]
     rows = []
     for name, r in [("no_press", 0.0)] + [(n, r) for n in names for r in ratios]:
         vals = [v for (vn, vr, _, _), v in per_q.items() if vn == name and vr == r]
@@ -110,49 +108,13 @@ def ablate(
     return rows, per_q
 
 
-def gold_spans(tokenizer, context_ids: list[int], answers: list[str]) -> dict[int, list[int]]:
-    """question index -> context positions of its gold answer's tokens (first occurrence; the planted
-    answers occur once), trying the answer with and without a leading space."""
-    from pipeline.prompts import encode
+def _first(input: str, limit: int, folder: Path) -> str:
+    """The first ``limit`` rows of ``input`` as a Parquet file of their own."""
+    import pyarrow.parquet as pq
 
-    out = {}
-    for k, ans in enumerate(answers):
-        for variant in (" " + ans, ans):
-            ids = encode(tokenizer, variant)
-            n = len(ids)
-            hit = next((i for i in range(len(context_ids) - n + 1) if context_ids[i : i + n] == ids), None)
-            if n and hit is not None:
-                out[k] = list(range(hit, hit + n))
-                break
-    return out
-
-
-def retention(full, press: BasePress, span: list[int]) -> float:
-    """Share of (layer, KV head, gold position) triples the press keeps, from the full cache's keys."""
-    import mlx.core as mx
-    import numpy as np
-
-    kept = total = 0
-    for c in full:
-        sel = press.select(c.keys[..., : c.stored, :])
-        if sel is None:
-            return 1.0
-        idx = np.array(sel.indices)[0]  # [H, K]
-        ok = np.array(sel.valid)[0] if sel.valid is not None else np.ones(idx.shape, bool)
-        for h in range(idx.shape[0]):
-            have = set(idx[h][ok[h]].tolist())
-            kept += sum(p in have for p in span)
-            total += len(span)
-    mx.clear_cache()
-    return kept / total if total else math.nan
-
-
-def _clone(runner, full, press: BasePress):
-    import nestedkv
-
-    if press.head_budget == "adaptive":
-        install_attention_hook(runner.model)
-    return nestedkv.clone(full, press)
+    path = folder / "first.parquet"
+    pq.write_table(pq.read_table(input).slice(0, limit), path)
+    return str(path)
 
 
 def paired(per_q: dict, a: tuple, b: tuple, metric: str = CORRECT) -> tuple[int, int, int]:

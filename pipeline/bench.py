@@ -3,7 +3,7 @@
     python -m pipeline.bench [--input data/sample_batch.parquet] [--task qa] [--max-new-tokens 32]
 
 Model compute is what the runner times per document (prefill, compress, question prefill and
-decode); everything else in ``run_batch`` (model load included, as in a real first run) is overhead.
+decode); everything else in ``engine.run`` (model load included, as in a real first run) is overhead.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.batch import run_batch
 from pipeline.config import RunConfig
+from pipeline.engine import run
 
 
 def main(argv=None) -> dict:
@@ -34,16 +34,17 @@ def main(argv=None) -> dict:
     config = RunConfig(**cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        summary = run_batch(a.input, config, str(Path(tmp) / "bench.duckdb"))
+        summary = run(a.input, [config], str(Path(tmp) / "bench.duckdb"))
+        results = [o.result for o in summary.outcomes]
         wall = time.perf_counter() - t0
-    prefill = sum(r.prefill_s for r in summary.results)
-    compress = sum(r.compress_s for r in summary.results)
-    decode = sum(r.decode_s for r in summary.results)
+    prefill = sum(r.prefill_s for r in results)
+    compress = sum(r.compress_s for r in results)
+    decode = sum(r.decode_s for r in results)
     compute = prefill + compress + decode
     figures = {
-        "documents": len(summary.results),
-        "context_tokens": sum(r.n_tokens for r in summary.results),
-        "generated_tokens": sum(q.n_generated for r in summary.results for q in r.questions),
+        "documents": len(results),
+        "context_tokens": sum(r.n_tokens for r in results),
+        "generated_tokens": sum(q.n_generated for r in results for q in r.questions),
         "wall_s": round(wall, 2),
         "prefill_s": round(prefill, 2),
         "compress_s": round(compress, 3),

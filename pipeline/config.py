@@ -1,18 +1,30 @@
-"""The configuration of a run: what makes two runs comparable, and its stable hash."""
+"""Settings, declared once: what a press does, how text is generated, and the run configuration they make.
+
+``PressSettings`` (which rows survive) and ``GenerationSettings`` (prompts, lengths, chunking) are the two
+halves; ``RunConfig`` joins them with the task and the model and is what a stored run is. Its hash covers
+every field and the press's full parameter set (defaults included), so a changed method constant makes a
+re-run recompute instead of resuming. The CLI options and the flows' parameters are built from these models.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from importlib import metadata
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
+PrefillMode = Literal["whole", "streaming"]
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_INPUT = "data/sample_batch.parquet"
+DEFAULT_DB = "runs.duckdb"
+REFERENCE_PRESS = "no_press"
+INT32_MAX = 2**31 - 1  # the store's INTEGER columns
+
 SUMMARY_INSTRUCTION = "Summarize the document above in 3 sentences."
 # Asking for a phrase copied from the document made SmolLM2-135M answer 7 of the 8 sample-batch
 # questions without compression, against 5 of 8 for "answer in a few words".
@@ -21,38 +33,26 @@ QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from t
 # penalty over the last 64 generated tokens stops that. QA stays plain greedy unless asked.
 SUMMARY_REPETITION_PENALTY = 1.1
 
+# The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
+PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params")
 
-class RunConfig(BaseModel):
-    """Everything that changes a document's output. Two runs with equal hashes are the same work."""
 
+class _Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: Task = "summarize"
-    model: str = DEFAULT_MODEL
-    press: str = "nestedkv"
-    compression_ratio: float = Field(0.75, ge=0.0, lt=1.0)
-    budget: Optional[int] = Field(None, ge=1)
-    head_budget: HeadBudget = "uniform"
-    prefill_step_size: int = Field(512, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    truncate: bool = False
-    summary_instruction: str = SUMMARY_INSTRUCTION
-    qa_instruction: str = QA_INSTRUCTION
-    repetition_penalty: Optional[float] = Field(None, gt=0)  # 1.0 disables
 
-    @model_validator(mode="before")
-    @classmethod
-    def _summary_penalty(cls, data):
-        if isinstance(data, dict) and data.get("repetition_penalty") is None and data.get("task", "summarize") == "summarize":
-            data = {**data, "repetition_penalty": SUMMARY_REPETITION_PENALTY}
-        return data
+class PressSettings(_Settings):
+    """Which context rows survive: the method, its budget, how heads share it, when it evicts."""
 
-    @field_validator("qa_instruction")
-    @classmethod
-    def _has_question_slot(cls, v: str) -> str:
-        if "{question}" not in v:
-            raise ValueError("qa_instruction must contain the placeholder {question}")
-        return v
+    press: str = Field("nestedkv", description="nestedkv, keydiff, knorm, streaming_llm, random, no_press")
+    compression_ratio: float = Field(0.75, ge=0.0, lt=1.0, description="fraction of context KV entries removed")
+    budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,
+                                  description="absolute tokens kept per KV head (wins over the ratio)")
+    head_budget: HeadBudget = Field("uniform", description="uniform, or adaptive (heads of a layer compete)")
+    prefill: PrefillMode = Field("whole", description="whole: compress after the last chunk; streaming: evict "
+                                 "while prefilling (bounded peak)")
+    press_params: dict[str, Any] = Field(default_factory=dict,
+                                         description="the method's own parameters, e.g. tau=0.5 (NestedKV)")
 
     @field_validator("press")
     @classmethod
@@ -63,28 +63,135 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown press {v!r}; allowed: {', '.join(sorted(PRESSES))}")
         return v
 
+    @model_validator(mode="after")
+    def _press_accepts(self):
+        self.make_press()  # the press validates its own parameters (names and ranges)
+        return self
+
     def make_press(self):
-        """The nestedkv press this configuration describes."""
+        """The nestedkv press these settings describe; ``ValueError`` names a bad parameter."""
         from nestedkv.press import get_press
 
-        return get_press(
-            self.press,
-            compression_ratio=self.compression_ratio,
-            budget=self.budget,
-            head_budget=self.head_budget,
-        )
+        kw = {"compression_ratio": self.compression_ratio, "budget": self.budget, "head_budget": self.head_budget}
+        if self.prefill != "whole":
+            kw["prefill"] = self.prefill
+        try:
+            return get_press(self.press, **kw, **_tuples(self.press_params))
+        except TypeError as exc:  # an unknown parameter name
+            raise ValueError(str(exc)) from None
+
+    def press_key(self) -> dict:
+        """The press's full parameter set, defaults included (what the hash must cover)."""
+        return json.loads(self.make_press().to_json())
+
+
+def _tuples(params: dict) -> dict:
+    # JSON has no tuples; the presses' sequence parameters (scales, prior) are tuples.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
+
+class GenerationSettings(_Settings):
+    """How each document is prompted, chunked and answered."""
+
+    max_new_tokens: int = Field(128, ge=1, le=INT32_MAX, description="tokens generated per answer at most")
+    prefill_step_size: int = Field(512, ge=1, le=INT32_MAX, description="context tokens per prefill chunk")
+    truncate: bool = Field(False, description="cut the middle of documents longer than the model window")
+    summary_instruction: str = Field(SUMMARY_INSTRUCTION, description="the instruction after the document")
+    qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
+    repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
+                                                "1.0 disables")
+
+    @field_validator("qa_instruction")
+    @classmethod
+    def _has_question_slot(cls, v: str) -> str:
+        if "{question}" not in v:
+            raise ValueError("qa_instruction must contain the placeholder {question}")
+        return v
+
+
+class RunConfig(GenerationSettings, PressSettings):
+    """Everything that changes a document's output. Two runs with equal hashes are the same work."""
+
+    task: Task = "summarize"
+    model: str = DEFAULT_MODEL
+
+    @model_validator(mode="before")
+    @classmethod
+    def _summary_penalty(cls, data):
+        if isinstance(data, dict) and data.get("repetition_penalty") is None and data.get("task", "summarize") == "summarize":
+            data = {**data, "repetition_penalty": SUMMARY_REPETITION_PENALTY}
+        return data
+
+    def __hash__(self) -> int:  # press_params is a dict: hash what identifies the run
+        return hash(self.config_hash())
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return json.dumps({**self.model_dump(), "press_resolved": self.press_key()}, sort_keys=True,
+                          separators=(",", ":"))
 
     def config_hash(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
+    @property
+    def is_reference(self) -> bool:
+        return self.press == REFERENCE_PRESS
+
     def reference(self) -> "RunConfig":
         """The uncompressed twin of this configuration (what quality is measured against)."""
-        return self.model_copy(
-            update={"press": "no_press", "compression_ratio": 0.0, "budget": None, "head_budget": "uniform"}
-        )
+        return self.model_copy(update={"press": REFERENCE_PRESS, "compression_ratio": 0.0, "budget": None,
+                                       "head_budget": "uniform", "prefill": "whole", "press_params": {}})
+
+    def shared(self) -> dict:
+        """The fields one prefill depends on (all but the press fields)."""
+        return self.model_dump(exclude=set(PRESS_FIELDS))
+
+    def label(self) -> str:
+        if self.is_reference:
+            return self.press
+        size = f"budget {self.budget}" if self.budget else f"r={self.compression_ratio:g}"
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.press_params.items()))
+        mode = " streaming" if self.prefill == "streaming" else ""
+        return f"{self.press} {size} {self.head_budget}{mode}{extra}"
+
+
+class BatchOptions(GenerationSettings):
+    """Generation settings plus how a batch runs (the flows' ``options`` parameter)."""
+
+    retries: int = Field(2, ge=0, le=100, description="task retries for transient errors (device memory, I/O)")
+    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
+    batch_decode: bool = Field(False, description="decode the configurations of a document together")
+    batch_size: int = Field(1, ge=1, le=4096, description="documents decoded together (each prefilled and "
+                            "compressed on its own; same answers, one transaction per document)")
+    wait: float = Field(0.0, ge=0, description="seconds to wait for another writer to release the store")
+    prefill_cache: Optional[str] = Field(None, description="folder of reusable uncompressed prefills: a re-run "
+                                         "with a new budget or method skips the prefill")
+    prefill_cache_gb: float = Field(20.0, gt=0, description="size cap of the prefill cache (least recently used "
+                                    "entries go first)")
+    on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
+                                                 "prefill runs out of memory is redone evicting while prefilling")
+
+    def engine_options(self, **kw):
+        """The engine's options for this batch (``kw``: reference, evaluate, metrics)."""
+        from pipeline.engine import EngineOptions
+
+        return EngineOptions(batch_decode=self.batch_decode, batch_size=self.batch_size,
+                             prefill_cache=self.prefill_cache, prefill_cache_gb=self.prefill_cache_gb,
+                             on_oom=self.on_oom, **kw)
+
+    def generation(self) -> dict:
+        return self.model_dump(include=set(GenerationSettings.model_fields))
+
+
+def parse_press_param(text: str) -> tuple[str, Any]:
+    """``name=value`` with a JSON value (``tau=0.5``, ``scales=[true,false,false]``) or a bare string."""
+    name, sep, raw = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"press parameter {text!r}: expected name=value")
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw.strip()
 
 
 def code_version() -> str:

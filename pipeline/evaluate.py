@@ -12,6 +12,8 @@ Metrics, per (document, question, configuration), stored in the ``evaluations`` 
   believes about the reference answer; higher = worse).
 - ``top1_agreement``: along the ``no_press`` answer, the share of positions where the compressed cache's
   argmax next token equals the full cache's argmax.
+- ``gold_kept`` (opt-in, ``gold_kept`` metric hook): the share of (layer, KV head, gold-answer context
+  token) triples the press keeps; a diagnosis of why an answer was lost.
 
 The agreement metrics carry ``reference_run_id`` = the ``no_press`` run. The numerical parts are pure
 functions of strings and logits; ``teacher_force`` is the only one that runs the model.
@@ -27,8 +29,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
+GOLD_KEPT = "gold_kept"
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)
-GOLD_METRICS = (CORRECT,)  # scored against gold: reference_run_id is NULL
+GOLD_METRICS = (CORRECT, GOLD_KEPT)  # scored against gold: reference_run_id is NULL
 REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)  # scored against the no_press run
 
 QuestionScores = dict  # metric name -> value, for one question
@@ -173,3 +176,93 @@ def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], refer
             rows.append({"run_id": run_id, "doc_id": result.doc_id, "question_idx": q.question_idx,
                          "metric": metric, "value": float(value), "reference_run_id": ref})
     return rows
+
+
+# -- the reference of one document ----------------------------------------------------------------------
+class Reference:
+    """The uncompressed answers of one document, and the full cache's logits along each of them."""
+
+    def __init__(self, answers: list, targets: list, logits: list):
+        self.answers = answers  # None where the reference question failed
+        self.targets = targets  # the reference answers' token ids
+        self.logits = logits  # [len(target), vocab] per question; None when there is nothing to score
+
+    @classmethod
+    def build(cls, runner, prepared, res, cache) -> "Reference":
+        from pipeline.prompts import encode
+
+        answers, targets, logits = [], [], []
+        for q, (_, q_ids, _) in zip(res.questions, prepared.questions):
+            ok = q.status == "ok"
+            answers.append(q.output if ok else None)
+            ids = encode(runner.tokenizer, q.output) if ok else []
+            targets.append(ids)
+            logits.append(teacher_force(runner.model, cache, q_ids, ids) if ids else None)
+        return cls(answers, targets, logits)
+
+    @staticmethod
+    def own_scores(res) -> list[QuestionScores]:
+        """The reference against gold only: agreeing with itself would be trivially perfect."""
+        return [score_answer(q.output, gold=q.gold) if q.status == "ok" else {} for q in res.questions]
+
+    def score(self, runner, prepared, res, cache) -> list[QuestionScores]:
+        out = []
+        for k, (q, (_, q_ids, _)) in enumerate(zip(res.questions, prepared.questions)):
+            if q.status != "ok":
+                out.append({})
+                continue
+            s = score_answer(q.output, gold=q.gold, reference=self.answers[k])
+            if self.logits[k] is not None:
+                s.update(score_logits(teacher_force(runner.model, cache, q_ids, self.targets[k]),
+                                      self.logits[k], self.targets[k]))
+            out.append(s)
+        return out
+
+
+# -- opt-in metric hooks: (runner, prepared, full cache, press) -> one score dict per question -----------
+def gold_spans(tokenizer, context_ids: Sequence[int], answers: Sequence[Optional[str]]) -> dict[int, list[int]]:
+    """question index -> context positions of its gold answer's tokens (first occurrence), trying the
+    answer with and without a leading space."""
+    from pipeline.prompts import encode
+
+    out = {}
+    for k, ans in enumerate(answers):
+        if not ans:
+            continue
+        for variant in (" " + ans, ans):
+            ids = encode(tokenizer, variant)
+            n = len(ids)
+            hit = next((i for i in range(len(context_ids) - n + 1) if list(context_ids[i : i + n]) == ids), None)
+            if n and hit is not None:
+                out[k] = list(range(hit, hit + n))
+                break
+    return out
+
+
+def retention(full_cache, press, span: Sequence[int]) -> float:
+    """Share of (layer, KV head, position in ``span``) triples ``press`` keeps, from the full cache's keys."""
+    import mlx.core as mx
+
+    kept = total = 0
+    for c in full_cache:
+        sel = press.select(c.keys[..., : c.stored, :])
+        if sel is None:
+            return 1.0
+        idx = np.array(sel.indices)[0]  # [H, K]
+        ok = np.array(sel.valid)[0] if sel.valid is not None else np.ones(idx.shape, bool)
+        for h in range(idx.shape[0]):
+            have = set(idx[h][ok[h]].tolist())
+            kept += sum(p in have for p in span)
+            total += len(span)
+    mx.clear_cache()
+    return kept / total if total else math.nan
+
+
+def gold_kept(runner, prepared, full_cache, press) -> list[QuestionScores]:
+    """``gold_kept`` per question whose gold answer occurs in the context."""
+    spans = gold_spans(runner.tokenizer, prepared.context_ids, [g for _, _, g in prepared.questions])
+    return [{GOLD_KEPT: retention(full_cache, press, spans[k])} if k in spans else {}
+            for k in range(len(prepared.questions))]
+
+
+METRIC_HOOKS = {GOLD_KEPT: gold_kept}

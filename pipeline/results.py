@@ -36,15 +36,24 @@ class DocumentResult:
     content_sha256: str
     n_chars: int
     title: Optional[str] = None
-    n_tokens: int = 0  # context tokens (what is compressed)
+    n_tokens: int = 0  # context tokens fed (what is compressed)
+    n_tokens_full: Optional[int] = None  # the document's own length, when truncation fed fewer
     status: str = OK
     error: Optional[str] = None
     prefill_s: float = 0.0
     compress_s: float = 0.0
     peak_prefill_bytes: int = 0
     peak_decode_bytes: int = 0
+    peak_kv_prefill_bytes: int = 0  # K/V buffers at their largest, all layers, while prefilling + compressing
+    peak_kv_decode_bytes: int = 0  # the same while answering
     questions: list[QuestionResult] = field(default_factory=list)
     layers: list[LayerMemory] = field(default_factory=list)
+    # The exception behind an error status (not stored): lets a caller decide to retry.
+    exception: Optional[BaseException] = field(default=None, repr=False, compare=False)
+
+    def fail(self, exc: BaseException) -> "DocumentResult":
+        self.status, self.error, self.exception = ERROR, f"{type(exc).__name__}: {exc}", exc
+        return self
 
     @property
     def prefill_tok_s(self) -> float:

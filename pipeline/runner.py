@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -129,35 +130,49 @@ class Runner:
                 q.status, q.error = TOO_LONG, reason
             return res, None
         if prepared.truncated_from:
+            res.n_tokens_full = prepared.truncated_from
             res.error = f"truncated from {prepared.truncated_from} to {res.n_tokens} context tokens"
         return res, prepared
 
     def prefill(self, prepared: PreparedDocument, res: DocumentResult, press=None, on_prefill=None):
-        """Prefill the context into a fresh cache under ``press`` (default: this run's press)."""
-        cache = nestedkv.make_cache(self.model, press or self.press)
+        """Prefill the context into a fresh cache under ``press`` (default: this run's press). A streaming
+        press evicts while it prefills, so it is told the context length its ratio applies to."""
+        press = press or self.press
+        n = len(prepared.context_ids)
+        cache = nestedkv.make_cache(self.model, press, **({"context_len": n} if press.prefill == "streaming" else {}))
         mx.reset_peak_memory()
+        nestedkv.reset_peak(cache)
         t0 = time.perf_counter()
         prefill(self.model, cache, prepared.context_ids, self.config.prefill_step_size, on_prefill)
         res.prefill_s = time.perf_counter() - t0
         res.peak_prefill_bytes = mx.get_peak_memory()
         return cache
 
-    def finish(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
-        """Compress the prefilled cache once, then answer every question from it."""
+    def compress(self, cache, res: DocumentResult) -> None:
+        """Compress a prefilled cache once; time it and account for its memory (peaks include the prefill's)."""
         t0 = time.perf_counter()
         nestedkv.compress(cache)
         res.compress_s = time.perf_counter() - t0
         res.peak_prefill_bytes = max(res.peak_prefill_bytes, mx.get_peak_memory())
-        res.layers = nestedkv.layer_stats(cache)
+        peaks = nestedkv.peak_kv_bytes(cache)
+        res.peak_kv_prefill_bytes = sum(peaks)
+        res.layers = [replace(m, peak_prefill_kv_bytes=p) for m, p in zip(nestedkv.layer_stats(cache), peaks)]
+
+    def answer_all(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
+        """Answer every question from the compressed cache, one at a time, rewinding after each."""
         mx.reset_peak_memory()
+        nestedkv.reset_peak(cache)
         for q, (_, ids, _) in zip(res.questions, prepared.questions):
             self.answer(cache, ids, q)
             rewind(cache)
         res.peak_decode_bytes = mx.get_peak_memory()
-        if any(q.status != OK for q in res.questions):
-            res.status = ERROR
-            res.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in res.questions if q.error)
-        return res
+        record_decode_peaks(res, cache)
+        return close_questions(res)
+
+    def finish(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
+        """Compress the prefilled cache once, then answer every question from it."""
+        self.compress(cache, res)
+        return self.answer_all(cache, prepared, res)
 
     def run(self, doc: Document, on_prefill: Optional[Progress] = None) -> DocumentResult:
         res, prepared = self.start(doc)
@@ -188,3 +203,146 @@ class Runner:
         out.decode_s = time.perf_counter() - t0
         out.n_generated = len(tokens)
         out.output = self.tokenizer.decode(tokens).strip()
+
+
+    # -- several compressed caches at once (configurations of a document, and documents) -------------
+    def answer_together(self, caches: dict, prepared: PreparedDocument, results: dict, reference=None) -> dict:
+        """Answer every question of one document from every cache in ``caches`` (key -> compressed cache)
+        at once; fills ``results`` (key -> DocumentResult) and returns key -> per-question scores when
+        ``reference`` (``pipeline.evaluate.Reference``) is given."""
+        return self.answer_entries([Entry(key, cache, prepared, results[key], reference)
+                                    for key, cache in caches.items()])
+
+    def answer_entries(self, entries: list["Entry"]) -> dict:
+        """Answer the questions of every entry (a compressed cache with its document and result), the k-th
+        question of all entries together, and return key -> per-question scores for entries with a
+        reference. Entries may come from different documents (different lengths and questions).
+
+        Per entry, one forward pass appends the question (and, when scoring, the reference answer for
+        teacher forcing, trimmed off right after) and gives the first answer token; then all entries
+        decode greedily together from one stacked batch cache, each with its own logits processors'
+        history. Greedy answers equal one-at-a-time ones up to floating-point summation order.
+        """
+        from pipeline.evaluate import score_answer, score_logits
+
+        nestedkv.install_attention_hook(self.model)  # the stack pads each entry's rows: masked per entry
+        scores = {e.key: [] for e in entries if e.reference is not None}
+        mx.reset_peak_memory()
+        for e in entries:
+            nestedkv.reset_peak(e.cache)
+        for k in range(max(len(e.prepared.questions) for e in entries)):
+            live, first, histories = [], [], []
+            for e in entries:
+                if k >= len(e.prepared.questions):
+                    continue
+                q_ids = e.prepared.questions[k][1]
+                q = e.result.questions[k]
+                ref = e.reference
+                targets = ref.targets[k] if ref is not None and ref.logits[k] is not None else []
+                extra = list(targets[:-1])
+                t0 = time.perf_counter()
+                try:
+                    logits = self.model(mx.array(list(q_ids) + extra, dtype=mx.int32)[None], cache=e.cache)[0]
+                    tail = logits[len(q_ids) - 1 :].astype(mx.float32)
+                    nxt = self._pick(list(q_ids), tail[:1])
+                    mx.eval(tail)
+                    for c in e.cache:
+                        c.trim(len(extra))  # keep only the question appended
+                    live.append(e)
+                    first.append(nxt)
+                    histories.append(list(q_ids))
+                    if targets:
+                        e.pending = score_logits(np.array(tail), ref.logits[k], targets)
+                except Exception as exc:
+                    q.status, q.error = ERROR, f"{type(exc).__name__}: {exc}"
+                    rewind(e.cache)
+                q.decode_s = time.perf_counter() - t0
+            if live:
+                decoded = self._decode_together([e.cache for e in live], first, histories)
+                for e, (ids, seconds) in zip(live, decoded):
+                    q = e.result.questions[k]
+                    q.output = self.tokenizer.decode(ids).strip()
+                    q.n_generated = len(ids)
+                    q.decode_s += seconds
+            for e in entries:
+                if k >= len(e.prepared.questions):
+                    continue
+                rewind(e.cache)
+                q = e.result.questions[k]
+                if e.reference is not None:
+                    s = {} if q.status != OK else score_answer(q.output, gold=q.gold, reference=e.reference.answers[k])
+                    s.update(e.pending or {})
+                    scores[e.key].append(s)
+                e.pending = None
+        peak = mx.get_peak_memory()
+        for e in entries:
+            e.result.peak_decode_bytes = peak
+            record_decode_peaks(e.result, e.cache)
+            close_questions(e.result)
+        return scores
+
+    def _pick(self, history: list[int], logits) -> int:
+        """The greedy next token after ``history`` from ``logits`` [1, vocab], through the logits processors
+        exactly as mlx-lm's generate_step applies them (history = question and generated tokens)."""
+        if self.logits_processors:
+            tokens = mx.array(history, dtype=mx.int32)
+            for processor in self.logits_processors:
+                logits = processor(tokens, logits)
+        return int(mx.argmax(logits[0]).item())
+
+    def _decode_together(self, caches: list, first: list[int], histories: list[list[int]]) -> list[tuple[list[int], float]]:
+        """Greedy decode for a batch whose first tokens are known; per entry (token ids, its share of time).
+        Like ``answer``: at most ``max_new_tokens`` tokens, stopping before an EOS token."""
+        t0 = time.perf_counter()
+        stacked = nestedkv.stack(caches)
+        out: list[list[int]] = [[] for _ in first]
+        done = [False] * len(first)
+        tokens = list(first)
+        max_new = self.config.max_new_tokens
+        for step in range(max_new):
+            for b, t in enumerate(tokens):
+                if not done[b]:
+                    if t in self.eos:
+                        done[b] = True
+                    else:
+                        out[b].append(t)
+            if all(done) or step == max_new - 1:
+                break
+            logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=stacked)[:, -1, :]
+            if self.logits_processors:
+                for b in range(len(tokens)):
+                    histories[b].append(tokens[b])
+                tokens = [self._pick(h, logits[b : b + 1]) for b, h in enumerate(histories)]
+            else:
+                nxt = mx.argmax(logits, axis=-1)
+                mx.eval(nxt)
+                tokens = [int(t) for t in nxt.tolist()]
+        share = (time.perf_counter() - t0) / len(first)
+        return [(ids, share) for ids in out]
+
+
+@dataclass(eq=False)
+class Entry:
+    """One compressed cache to answer from: its document's questions, the result to fill, and the
+    reference to score against (None: no scores)."""
+
+    key: object
+    cache: list
+    prepared: PreparedDocument
+    result: DocumentResult
+    reference: object = None
+    pending: Optional[dict] = None  # this question's teacher-forced scores, until its answer is scored
+
+
+def record_decode_peaks(res: DocumentResult, cache) -> None:
+    peaks = nestedkv.peak_kv_bytes(cache)
+    res.peak_kv_decode_bytes = sum(peaks)
+    res.layers = [replace(m, peak_decode_kv_bytes=p) for m, p in zip(res.layers, peaks)]
+
+
+def close_questions(res: DocumentResult) -> DocumentResult:
+    """A document with a failed question is an error, naming each failed question."""
+    if any(q.status != OK for q in res.questions):
+        res.status = ERROR
+        res.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in res.questions if q.error)
+    return res

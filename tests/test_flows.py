@@ -7,9 +7,8 @@ from tiny import TINY_NAME, sample_docs, use_tiny_model, write_batch
 
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402  (after nestedkv: OpenBLAS first)
 
-import flows.batch as fb
-from flows.batch import BatchOptions, qa_batch, summarize_batch
-from flows.sweep import budget_sweep
+from flows.batch import budget_sweep, qa_batch, summarize_batch
+from pipeline.config import BatchOptions
 from pipeline.runner import Runner
 from pipeline.store import Store
 
@@ -26,33 +25,31 @@ def prefect_api():
 @pytest.fixture
 def tiny(monkeypatch):
     """The name TINY_NAME loads one tiny llama with a byte tokenizer; yields the list of loads."""
-    fb.clear_runners()
     with use_tiny_model(monkeypatch) as (_, loads):
         yield loads
-    fb.clear_runners()
 
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts Runner.run per doc_id; ``calls.fail[doc_id] = [exc, ..., last]`` raises one per call, then
-    ``last`` on every later call (None: run normally)."""
+    """Counts Runner.start (once per document and attempt) per doc_id; ``calls.fail[doc_id] = [exc, ..., last]``
+    raises one per call, then ``last`` on every later call (None: run normally)."""
 
     class Calls(dict):
         fail: dict = {}
 
     seen = Calls()
     seen.fail = {}
-    real = Runner.run
+    real = Runner.start
 
-    def run(self, doc, on_prefill=None):
+    def start(self, doc):
         seen[doc.doc_id] = seen.get(doc.doc_id, 0) + 1
         queue = seen.fail.get(doc.doc_id)
         exc = (queue.pop(0) if len(queue) > 1 else queue[0]) if queue else None  # the last one repeats
         if exc is not None:
             raise exc
-        return real(self, doc, on_prefill=on_prefill)
+        return real(self, doc)
 
-    monkeypatch.setattr(Runner, "run", run)
+    monkeypatch.setattr(Runner, "start", start)
     return seen
 
 
@@ -68,7 +65,28 @@ def rows(db, sql, params=None):
 def test_flow_names_and_parameters():
     assert (summarize_batch.name, qa_batch.name, budget_sweep.name) == ("summarize-batch", "qa-batch", "budget-sweep")
     props = summarize_batch.parameters.properties
-    assert {"input", "press", "compression_ratio", "budget", "head_budget", "model", "db", "options"} <= set(props)
+    assert {"input", "press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "model", "db",
+            "options"} <= set(props)
+    # every generation setting is a deployment parameter (inside options)
+    from pipeline.config import GenerationSettings
+
+    assert set(GenerationSettings.model_fields) <= set(BatchOptions().model_dump())
+
+
+def test_tasks_get_runner_store_and_plan_as_arguments_without_serializing_them(tmp_path, tiny, monkeypatch):
+    """The document task receives live objects (model, DuckDB connection): Prefect must pass them through."""
+    import pipeline.engine as engine
+
+    seen = []
+    real = engine.process_documents
+
+    def spy(runner, store, plan, docs, **kw):
+        seen.append((type(runner).__name__, type(store).__name__, type(plan).__name__, store.con is not None))
+        return real(runner, store, plan, docs, **kw)
+
+    monkeypatch.setattr(engine, "process_documents", spy)
+    s = summarize_batch(input=batch_file(tmp_path, n=2), model=TINY_NAME, db=str(tmp_path / "r.duckdb"), options=FAST)
+    assert seen == [("Runner", "Store", "Plan", True)] * 2 and s.n_ok == 2
 
 
 def test_bad_document_becomes_error_row_and_the_batch_completes(tmp_path, tiny, calls):
@@ -80,14 +98,14 @@ def test_bad_document_becomes_error_row_and_the_batch_completes(tmp_path, tiny, 
                             return_state=True)
     assert state.is_completed()
     s = state.result()
-    assert (s.n_done, s.n_failed, s.n_skipped, len(s.input_errors)) == (3, 1, 0, 1)
+    assert (s.n_ok, s.n_failed, s.n_skipped, len(s.input_errors)) == (3, 1, 0, 1)
     assert calls["bad"] == 1 and tiny == [TINY_NAME]  # model loaded once for all documents
     out = {r["doc_id"]: r for r in rows(db, "SELECT doc_id, status, error, output FROM outputs")}
     assert set(out) == {"doc-0", "doc-1", "doc-2", "bad"}
     assert out["bad"]["status"] == "error" and "ValueError: boom" in out["bad"]["error"]
     assert all(out[f"doc-{i}"]["status"] == "ok" for i in range(3))
     (run,) = rows(db, "SELECT run_id, status, n_documents, n_errors FROM runs")
-    assert (run["run_id"], run["status"], run["n_documents"], run["n_errors"]) == (s.run_id, "completed", 4, 2)
+    assert (run["run_id"], run["status"], run["n_documents"], run["n_errors"]) == (s.run_ids[0], "completed", 4, 2)
     assert rows(db, "SELECT doc_id, field FROM input_errors") == [{"doc_id": "empty", "field": "text"}]
     (m,) = rows(db, "SELECT n_documents, kept_share FROM memory_savings")
     assert m["n_documents"] == 3 and m["kept_share"] == pytest.approx(0.5, abs=0.02)
@@ -108,7 +126,7 @@ def test_transient_errors_are_retried_then_stored(tmp_path, tiny, calls):
     assert status["doc-0"] == ("ok", None)  # the first attempt's error row was replaced, not duplicated
     assert status["doc-1"][0] == "error" and "device lost" in status["doc-1"][1]
     assert rows(db, "SELECT count(*) AS n FROM outputs")[0]["n"] == 3
-    assert (s.n_done, s.n_failed) == (2, 1)
+    assert (s.n_ok, s.n_failed) == (2, 1)
 
 
 def test_rerun_resumes_without_duplicates_or_model_work(tmp_path, tiny, calls):
@@ -116,24 +134,24 @@ def test_rerun_resumes_without_duplicates_or_model_work(tmp_path, tiny, calls):
     inp = batch_file(tmp_path, n=3)
     calls.fail["doc-1"] = [ValueError("bad once")]
     first = qa_batch(input=inp, model=TINY_NAME, db=db, options=FAST)
-    assert (first.n_done, first.n_failed) == (2, 1)
+    assert (first.n_ok, first.n_failed) == (2, 1)
 
     calls.clear()
     calls.fail.clear()
     second = qa_batch(input=inp, model=TINY_NAME, db=db, options=FAST)
     assert dict(calls) == {"doc-1": 1}  # only the failed document runs again
-    assert (second.n_done, second.n_skipped) == (1, 2)
+    assert (second.n_ok, second.n_skipped) == (1, 2)
 
     calls.clear()
-    fb.clear_runners()
     tiny.clear()
     third = qa_batch(input=inp, model=TINY_NAME, db=db, options=FAST)
     assert dict(calls) == {} and tiny == []  # finished: no runner call, not even a model load
-    assert (third.n_done, third.n_skipped) == (0, 3)
+    assert (third.n_ok, third.n_skipped) == (0, 3)
     # Two questions per document; each document's ok answers exist once across all runs.
     ok = rows(db, "SELECT doc_id, count(*) AS n FROM outputs WHERE status = 'ok' GROUP BY doc_id ORDER BY doc_id")
     assert ok == [{"doc_id": f"doc-{i}", "n": 2} for i in range(3)]
-    assert [r["status"] for r in rows(db, "SELECT status FROM runs ORDER BY created_at")] == ["completed"] * 3
+    # a batch with nothing left starts no run
+    assert [r["status"] for r in rows(db, "SELECT status FROM runs ORDER BY created_at")] == ["completed"] * 2
 
 
 def test_sweep_prefills_each_document_once(tmp_path, tiny, monkeypatch):
@@ -149,21 +167,21 @@ def test_sweep_prefills_each_document_once(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(Runner, "prefill", prefill)
     s = budget_sweep(input=inp, presses=["nestedkv", "keydiff"], compression_ratios=[0.5, 0.75],
                      head_budgets=["uniform", "adaptive"], model=TINY_NAME, db=db, options=FAST)
-    assert sorted(prefills) == ["doc-0", "doc-1"]  # one prefill per document for all 7 runs
-    # nestedkv x {uniform, adaptive} x 2 ratios + keydiff x 2 ratios + no_press
-    assert len(s.runs) == 7 and (s.n_swept, s.n_results, s.n_failed) == (2, 14, 0)
+    assert sorted(prefills) == ["doc-0", "doc-1"]  # one prefill per document for all 9 runs
+    # {nestedkv, keydiff} x {uniform, adaptive} x 2 ratios + no_press
+    assert len(s.runs) == 9 and (s.n_processed, s.n_results, s.n_failed) == (2, 18, 0)
     saved = rows(db, "SELECT press, compression_ratio, head_budget, n_documents, kept_share FROM memory_savings")
-    assert len(saved) == 7 and all(r["n_documents"] == 2 for r in saved)
+    assert len(saved) == 9 and all(r["n_documents"] == 2 for r in saved)
     for r in saved:
         assert r["kept_share"] == pytest.approx(1 - r["compression_ratio"], abs=0.02)
     compared = rows(db, "SELECT DISTINCT run_id FROM quality_vs_full")
-    assert len(compared) == 6  # every compressed run beside its no_press twin
+    assert len(compared) == 8  # every compressed run beside its no_press twin
 
     prefills.clear()
     again = budget_sweep(input=inp, presses=["nestedkv", "keydiff"], compression_ratios=[0.5, 0.75],
                          head_budgets=["uniform", "adaptive"], model=TINY_NAME, db=db, options=FAST)
-    assert prefills == [] and again.runs == [] and again.n_swept == 0
-    assert rows(db, "SELECT count(*) AS n FROM runs")[0]["n"] == 7
+    assert prefills == [] and again.runs == [] and again.n_processed == 0
+    assert rows(db, "SELECT count(*) AS n FROM runs")[0]["n"] == 9
 
 
 def test_artifacts_report_progress_savings_and_a_summary(tmp_path, tiny):
@@ -185,7 +203,7 @@ def test_artifacts_report_progress_savings_and_a_summary(tmp_path, tiny):
     keys = {a.key for a in by_type["table"]}
     assert keys == {"summarize-batch-memory-savings", "summarize-batch-layer-savings"}
     report = by_type["markdown"][0].data
-    assert state.result().run_id in report and "2 done, 0 failed" in report
+    assert state.result().run_ids[0] in report and "2 done, 0 failed" in report
 
 
 def test_cli_run_and_sweep_go_through_the_flows(tmp_path, tiny):

@@ -10,7 +10,7 @@ from flows.cli import app
 from pipeline.config import RunConfig
 from pipeline.report import build_report, markdown_table, write_report
 from pipeline.store import Store, StoreError
-from pipeline.sweep import run_sweep, sweep_configs
+from pipeline.engine import EngineOptions, make_configs, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -21,9 +21,10 @@ def evaluated(tmp_path, monkeypatch):
         batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 400))
         base = RunConfig(task="qa", model=TINY_NAME, press="no_press", compression_ratio=0.0, max_new_tokens=5,
                          prefill_step_size=128)
-        cfgs = sweep_configs(base, ["nestedkv", "keydiff", "random"], [0.5, 0.9], ["uniform", "adaptive"])
+        cfgs = (make_configs(base, ["no_press", "nestedkv"], [0.5, 0.9], head_budgets=["uniform", "adaptive"])
+                + make_configs(base, ["keydiff", "random"], [0.5, 0.9]))
         db = tmp_path / "eval.duckdb"
-        run_sweep(batch, cfgs, db, evaluate=True, batch_decode=True)
+        run(batch, cfgs, db, EngineOptions(evaluate=True, batch_decode=True))
         yield db, cfgs
 
 
@@ -110,8 +111,9 @@ def test_cli_eval_then_report(tmp_path, monkeypatch):
         assert res.exit_code == 0, res.output
         with Store(db, read_only=True) as s:
             runs = s.query("SELECT press, head_budget, compression_ratio, max_new_tokens, task FROM runs").to_pylist()
-        assert len(runs) == 1 + 4 + 2 and all(r["task"] == "qa" and r["max_new_tokens"] == 4 for r in runs)
-        assert sum(r["head_budget"] == "adaptive" for r in runs) == 2  # nestedkv only
+        # every combination: 2 presses x 2 ratios x 2 head budgets, and no_press
+        assert len(runs) == 1 + 8 and all(r["task"] == "qa" and r["max_new_tokens"] == 4 for r in runs)
+        assert sum(r["head_budget"] == "adaptive" for r in runs) == 4
         res = cli.invoke(app, ["report", "--db", str(db), "--out", str(out)])
         assert res.exit_code == 0, res.output
         assert (out / "report.md").is_file() and (out / "quality_vs_ratio.png").read_bytes()[:8] == PNG_MAGIC
