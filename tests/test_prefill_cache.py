@@ -1,0 +1,90 @@
+"""The prefill cache: a re-run with a new budget loads the uncompressed prefill instead of computing it,
+answers stay identical, damaged entries are recomputed, and the folder stays under its cap."""
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import logging
+
+import pytest
+from tiny import sample_docs, save_tiny_model_dir, write_batch
+
+import pipeline.engine as engine
+from pipeline.config import RunConfig
+from pipeline.engine import EngineOptions, make_configs
+from pipeline.prefill_cache import PrefillCache
+from pipeline.runner import Runner
+from pipeline.store import Store
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    model = str(save_tiny_model_dir(tmp_path / "model"))
+    batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 400))
+    base = RunConfig(task="qa", model=model, max_new_tokens=5, prefill_step_size=128)
+    prefills = []
+    real = Runner.prefill
+
+    def counting(self, prepared, res, press=None, on_prefill=None):
+        prefills.append(res.doc_id)
+        return real(self, prepared, res, press=press, on_prefill=on_prefill)
+
+    monkeypatch.setattr(Runner, "prefill", counting)
+    return tmp_path, base, batch, prefills
+
+
+def outputs(db):
+    with Store(db, read_only=True) as s:
+        return s.query("SELECT r.press, r.compression_ratio, o.doc_id, o.question_idx, o.output FROM outputs o "
+                       "JOIN runs r USING (run_id) ORDER BY ALL").to_pylist()
+
+
+def test_a_new_budget_reuses_the_prefill_and_answers_the_same(setup):
+    tmp, base, batch, prefills = setup
+    cached = EngineOptions(prefill_cache=str(tmp / "pc"))
+    first = make_configs(base, ["keydiff"], [0.5])
+    engine.run(batch, first, tmp / "a.duckdb", cached)
+    assert len(prefills) == 2 and len(list((tmp / "pc").glob("*.safetensors"))) == 2
+    prefills.clear()
+    second = make_configs(base, ["nestedkv", "knorm"], [0.75])
+    summary = engine.run(batch, second, tmp / "a.duckdb", cached)
+    assert prefills == [] and summary.n_ok == 4  # no prefill: both documents came from the cache
+    engine.run(batch, second, tmp / "b.duckdb")  # the same configurations without a cache
+    assert len(prefills) == 2
+    want = outputs(tmp / "b.duckdb")
+    got = [r for r in outputs(tmp / "a.duckdb") if r["press"] != "keydiff"]
+    assert got == want and all(r["output"] is not None for r in got)
+
+
+def test_a_damaged_entry_is_recomputed_with_a_warning(setup, caplog):
+    tmp, base, batch, prefills = setup
+    cached = EngineOptions(prefill_cache=str(tmp / "pc"))
+    cfg = make_configs(base, ["keydiff"], [0.5])
+    engine.run(batch, cfg, tmp / "a.duckdb", cached)
+    for p in (tmp / "pc").glob("*.safetensors"):
+        p.write_bytes(p.read_bytes()[:100])
+    prefills.clear()
+    with caplog.at_level(logging.WARNING):
+        summary = engine.run(batch, make_configs(base, ["knorm"], [0.5]), tmp / "a.duckdb", cached)
+    assert summary.n_ok == 2 and len(prefills) == 2
+    assert sum("prefill cache entry" in r.message for r in caplog.records) == 2
+
+
+def test_keys_and_the_size_cap(tmp_path):
+    import mlx.core as mx
+
+    from nestedkv import make_cache
+    from tiny import tiny_model
+
+    model_dir = str(save_tiny_model_dir(tmp_path / "m"))
+    store = PrefillCache(str(tmp_path / "pc"), max_gb=1e-9)  # smaller than any entry
+    k = store.key(model_dir, [1, 2, 3], 128)
+    assert k == store.key(model_dir, [1, 2, 3], 128)
+    assert len({k, store.key(model_dir, [1, 2, 4], 128), store.key(model_dir, [1, 2, 3], 64)}) == 3
+    model = tiny_model()
+    cache = make_cache(model)
+    model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    store.put(k, cache)
+    assert list((tmp_path / "pc").glob("*.safetensors")) == []  # over the cap: evicted at once
+    big = PrefillCache(str(tmp_path / "pc2"))
+    big.put(k, cache)
+    assert big.get(k, 4) is not None and big.get(k, 5) is None  # a length mismatch is not served
