@@ -4,9 +4,11 @@ from nestedkv._platform import load_openblas
 
 load_openblas()
 
-from nestedkv.accounting import LayerMemory, layer_stats  # noqa: E402
-from nestedkv.cache import NestedKVCache, clone, compress, make_cache  # noqa: E402
+from nestedkv.accounting import LayerMemory, layer_stats, peak_kv_bytes, reset_peak  # noqa: E402
+from nestedkv.attention import head_mask, install_attention_hook  # noqa: E402
+from nestedkv.cache import NestedKVCache, clone, compress, make_cache, stack  # noqa: E402
 from nestedkv.press import (  # noqa: E402
+    PREFILL_MODES,
     PRESSES,
     BasePress,
     KeyDiffPress,
@@ -19,6 +21,7 @@ from nestedkv.press import (  # noqa: E402
 )
 
 __all__ = [
+    "PREFILL_MODES",
     "PRESSES",
     "BasePress",
     "KeyDiffPress",
@@ -32,6 +35,11 @@ __all__ = [
     "clone",
     "compress",
     "get_press",
+    "head_mask",
+    "install_attention_hook",
     "layer_stats",
     "make_cache",
+    "peak_kv_bytes",
+    "reset_peak",
+    "stack",
 ]

@@ -25,6 +25,9 @@ class LayerMemory:
     bytes_full: int
     bytes_kept: int
     bytes_resident: int
+    # Peak resident bytes of this layer's K/V buffers in each phase; filled in by whoever ran the phases.
+    peak_prefill_kv_bytes: int = 0
+    peak_decode_kv_bytes: int = 0
 
     @property
     def kept_fraction(self) -> float:
@@ -41,3 +44,14 @@ class LayerMemory:
 def layer_stats(cache) -> list[LayerMemory]:
     """One ``LayerMemory`` per layer of a cache list made by ``make_cache``."""
     return [c.memory(i) for i, c in enumerate(cache)]
+
+
+def peak_kv_bytes(cache) -> list[int]:
+    """Per layer, the largest resident K/V buffer bytes since the last ``reset_peak`` (or since creation)."""
+    return [c.peak_nbytes for c in cache]
+
+
+def reset_peak(cache) -> None:
+    """Start a new peak window on every layer: each peak becomes what the layer holds now."""
+    for c in cache:
+        c.reset_peak()

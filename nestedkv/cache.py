@@ -1,13 +1,30 @@
-"""A drop-in mlx-lm KV cache that compresses its context once, after the last prefill chunk.
+"""A drop-in mlx-lm KV cache that compresses its context: once after the last prefill chunk (``prefill="whole"``),
+or also while the context arrives (``prefill="streaming"``, bounded peak).
 
-Layout of one layer's buffer after compression::
+Layout of one layer after compression, per KV head::
 
     [ kept context rows (ascending original positions) | appended question/decode rows | free ]
-      n_ctx_rows                                          stored - n_ctx_rows
 
-``offset`` is the true number of positions seen (RoPE reads it); ``stored`` is the row count.
-In ``adaptive`` mode heads keep different counts: shorter heads are padded up to ``n_ctx_rows``
-and ``valid`` marks real rows; the attention hook below masks the padding per layer and head.
+``offset`` is the true number of positions seen (RoPE reads it); ``stored`` is the row count of the longest head.
+Three layouts hold the rows:
+
+- dense: ``keys``/``values`` ``[B, H, rows, D]``; every head keeps the same count (uniform budgets, no press).
+- per-head: adaptive budgets (B = 1) keep each head's rows without padding in one flat buffer
+  ``flat_keys``/``flat_values`` ``[1, 1, sum of region sizes, D]``, one region per KV head
+  ``[its kept rows | appended rows | free]``: resident bytes follow kept bytes, and one scatter appends a token
+  to every head. ``head_keys``/``head_values`` are the per-head views ``[1, 1, rows_h, D]`` that
+  ``attention.attention`` runs each KV head against.
+- padded: dense plus ``valid`` ``[B, H, n_ctx_rows]`` marking real context rows; shorter heads are padded and
+  ``attention.head_mask`` hides the padding. Used by ``stack`` (batched decode) and by adaptive budgets with
+  B > 1; per-head rows are padded transiently (one layer at a time) only to be scored during a streaming prefill.
+
+Streaming (``prefill="streaming"``, see ``streaming.py``): before a chunk is appended, a layer whose stored rows
+exceed the budget is scored and evicted down to it, so it never holds more than budget + chunk rows per head
+(per layer on average under adaptive budgets) and the chunk attends to the kept rows only. ``compress`` then
+brings it to exactly the final budget.
+
+Batching: ``stack`` batches compressed caches of the same context for decode (one entry per configuration).
+mlx-lm's ``merge`` into a ``BatchKVCache`` is refused: that would silently drop the compression.
 """
 
 from __future__ import annotations
@@ -17,27 +34,61 @@ import sys
 from typing import Optional, Sequence
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
+import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
+import nestedkv.attention as _attention
 from nestedkv.accounting import LayerMemory
+from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
 from nestedkv.press import BasePress, NoPress
+from nestedkv.selection import select
+from nestedkv.streaming import StreamState
+
+
+def _check_context_len(n) -> Optional[int]:
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"context_len must be a positive int (the document's token count), got {n!r}")
+    return n
+
+
+def _grow(buf: Optional[mx.array], rows: int, new: mx.array, step: int) -> mx.array:
+    """``buf`` with room for ``new`` after its first ``rows`` rows; KVCache's growth policy (steps of ``step``),
+    so that with nothing evicted the arrays (and outputs) are bit-identical to mlx-lm's."""
+    if buf is not None and rows + new.shape[2] <= buf.shape[2]:
+        return buf
+    B, H, n, d = new.shape
+    n_steps = (step + n - 1) // step
+    fresh = mx.zeros((B, H, n_steps * step, d), new.dtype)
+    if buf is None:
+        return fresh
+    if rows % step != 0:
+        buf = buf[..., :rows, :]
+    return mx.concatenate([buf, fresh], axis=2)
 
 
 class NestedKVCache(KVCache):
     step = KVCache.step
 
-    def __init__(self, press: Optional[BasePress] = None):
+    def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None):
         super().__init__()
         if press is not None and not isinstance(press, BasePress):
             raise TypeError(f"press must be a nestedkv press (e.g. NestedKVPress), got {type(press).__name__}")
         self.press = press or NoPress()
+        self.planned_len = _check_context_len(context_len)  # the document's token count, for streaming
         self.stored = 0
         self.context_len: Optional[int] = None  # positions compressed; None until compressed
         self.n_ctx_rows = 0
         self.kept: Optional[mx.array] = None  # [B, H] kept context rows per head
-        self.valid: Optional[mx.array] = None  # [B, H, n_ctx_rows] bool, adaptive only
+        self.valid: Optional[mx.array] = None  # [B, H, n_ctx_rows] bool, padded layout only
+        self.flat_keys: Optional[mx.array] = None  # per-head layout: [1, 1, sum(head_cap), D]
+        self.flat_values: Optional[mx.array] = None
+        self.head_rows: Optional[list[int]] = None  # per-head layout: kept context rows per head
+        self.head_cap: Optional[list[int]] = None  # per-head layout: rows of each head's region
+        self.stream: Optional[StreamState] = None
+        self.peak_nbytes = 0
         self._saw_prefill = False
 
     @property
@@ -46,10 +97,10 @@ class NestedKVCache(KVCache):
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys, values):
-        if self.valid is not None and not getattr(self, "_hooked", False):
-            # A loaded adaptive cache never went through make_cache: without the hook the
-            # padded rows would silently be attended to.
-            _hook_loaded_models()
+        if (self.valid is not None or self.flat_keys is not None) and not getattr(self, "_hooked", False):
+            # A loaded cache never went through make_cache: without the hook padded rows would be
+            # attended to, and per-head rows could not be attended at all.
+            _attention.hook_loaded_models()
             self._hooked = True
         n_new = keys.shape[2]
         if not self.compressed:
@@ -58,29 +109,73 @@ class NestedKVCache(KVCache):
                 self.compress()
             elif n_new > 1:
                 self._saw_prefill = True
-        prev = self.stored
-        # Same growth policy as KVCache, indexed by rows instead of positions, so that with
-        # nothing evicted the arrays (and outputs) are bit-identical to mlx-lm's.
-        if self.keys is None or prev + n_new > self.keys.shape[2]:
-            B, n_kv_heads, _, k_head_dim = keys.shape
-            n_steps = (self.step + n_new - 1) // self.step
-            new_k = mx.zeros((B, n_kv_heads, n_steps * self.step, k_head_dim), keys.dtype)
-            new_v = mx.zeros((B, n_kv_heads, n_steps * self.step, values.shape[3]), values.dtype)
-            if self.keys is not None:
-                if prev % self.step != 0:
-                    self.keys = self.keys[..., :prev, :]
-                    self.values = self.values[..., :prev, :]
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
-            else:
-                self.keys, self.values = new_k, new_v
-        self.stored += n_new
+        if not self.compressed and self.press.prefill == "streaming":
+            self._stream_step(keys)
+        if self.flat_keys is not None:
+            out = self._append_per_head(keys, values)
+        else:
+            prev = self.stored
+            self.keys = _grow(self.keys, prev, keys, self.step)
+            self.values = _grow(self.values, prev, values, self.step)
+            self.stored += n_new
+            self.keys[..., prev : self.stored, :] = keys
+            self.values[..., prev : self.stored, :] = values
+            out = self.keys_and_values()
         self.offset += n_new
-        self.keys[..., prev : self.stored, :] = keys
-        self.values[..., prev : self.stored, :] = values
-        return self.keys_and_values()
+        self._note_peak()
+        return out
+
+    # -- per-head layout ---------------------------------------------------------------------
+    def _views(self, flat: mx.array) -> list:
+        """Each head's rows ``[1, 1, rows_h + appended, D]`` (views of its region)."""
+        tail = self.stored - self.n_ctx_rows
+        out, off = [], 0
+        for r, cap in zip(self.head_rows, self.head_cap):
+            out.append(flat[:, :, off : off + r + tail, :])
+            off += cap
+        return out
+
+    @property
+    def head_keys(self) -> Optional[list]:
+        return None if self.flat_keys is None else self._views(self.flat_keys)
+
+    @property
+    def head_values(self) -> Optional[list]:
+        return None if self.flat_values is None else self._views(self.flat_values)
+
+    def _set_per_head(self, keys: list, values: list, rows: list[int]) -> None:
+        """Per-head layout from each head's rows (context then appended), regions exactly that long."""
+        self.flat_keys = mx.concatenate(keys, axis=2)
+        self.flat_values = mx.concatenate(values, axis=2)
+        self.head_rows = rows
+        self.head_cap = [k.shape[2] for k in keys]
+        self.keys = self.values = self.valid = None
+
+    def _append_per_head(self, keys, values):
+        tail = self.stored - self.n_ctx_rows
+        B, H, n, _ = keys.shape
+        if any(r + tail + n > cap for r, cap in zip(self.head_rows, self.head_cap)):
+            # Every region grows by whole steps, as KVCache does (heads share the appended count).
+            extra = ((n + self.step - 1) // self.step) * self.step
+            ks, vs = self.head_keys, self.head_values
+            zk = mx.zeros((B, 1, extra, keys.shape[3]), keys.dtype)
+            zv = mx.zeros((B, 1, extra, values.shape[3]), values.dtype)
+            self.flat_keys = mx.concatenate([x for k in ks for x in (k, zk)], axis=2)
+            self.flat_values = mx.concatenate([x for v in vs for x in (v, zv)], axis=2)
+            self.head_cap = [k.shape[2] + extra for k in ks]
+        idx, off = [], 0
+        for r, cap in zip(self.head_rows, self.head_cap):
+            idx.extend(range(off + r + tail, off + r + tail + n))
+            off += cap
+        idx = mx.array(idx, dtype=mx.int32)  # head-major, like the reshape below
+        self.flat_keys[:, :, idx, :] = keys.reshape(B, 1, H * n, keys.shape[3])
+        self.flat_values[:, :, idx, :] = values.reshape(B, 1, H * n, values.shape[3])
+        self.stored += n
+        return self.head_keys, self.head_values
 
     def keys_and_values(self):
+        if self.flat_keys is not None:
+            return self.head_keys, self.head_values
         if self.stored < self.keys.shape[2]:
             return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
         return self.keys, self.values
@@ -93,13 +188,15 @@ class NestedKVCache(KVCache):
         return self.stored
 
     def empty(self):
-        return self.keys is None
+        return self.keys is None and self.flat_keys is None
 
     def trim(self, n):
-        """Drop up to ``n`` of the newest rows. After compression only appended rows can go, so
-        ``trim`` never cuts into the compressed context (one compressed document, many questions)."""
-        floor = self.n_ctx_rows if self.compressed else 0
+        """Drop up to ``n`` of the newest rows. Evicted or compressed context rows are never cut: only rows
+        appended after them go (one compressed document, many questions)."""
+        floor = self.n_ctx_rows if self.kept is not None else 0
         n = max(0, min(self.stored - floor, n))
+        if self.stream is not None and n:
+            raise ValueError("trim during a streaming prefill is not supported: compress first")
         self.stored -= n
         self.offset -= n
         return n
@@ -121,19 +218,32 @@ class NestedKVCache(KVCache):
     @classmethod
     def merge(cls, caches):
         raise ValueError(
-            "NestedKVCache cannot be merged into a batch cache: each document is compressed on its own "
-            "(per-sample budgets); run documents one at a time or use mlx-lm's KVCache for batching"
+            "NestedKVCache cannot be merged into mlx-lm's batch cache (BatchKVCache): that would drop each "
+            "document's compression. Supported batching: nestedkv.stack(caches) batches compressed caches of "
+            "the same context for decode (several configurations at once); otherwise run documents one at a time"
         )
 
     @property
     def nbytes(self):
+        if self.flat_keys is not None:
+            return self.flat_keys.nbytes + self.flat_values.nbytes
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # Peak resident K/V bytes, noted after every update, compression and load (the transient second buffer
+    # of a reallocation or an eviction lives for one operation and is not counted).
+    def _note_peak(self) -> None:
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window: the peak becomes what is resident now."""
+        self.peak_nbytes = self.nbytes
 
     @property
     def state(self):
-        if self.keys is None:
-            k = v = None
-        else:
+        k = v = hk = hv = None
+        if self.flat_keys is not None:
+            hk, hv = self.keys_and_values()
+        elif self.keys is not None:
             k, v = self.keys_and_values()
         return (
             k,
@@ -146,76 +256,200 @@ class NestedKVCache(KVCache):
             self.n_ctx_rows,
             int(self._saw_prefill),
             self.press.to_json(),
+            hk,
+            hv,
+            -1 if self.planned_len is None else self.planned_len,
+            None if self.stream is None else self.stream.to_state(),
         )
 
     @state.setter
     def state(self, v):
-        keys, values, self.kept, self.valid, offset, stored, context_len, n_ctx_rows, saw, press_json = v
+        v = list(v)
+        v += [None, None, -1, None][len(v) - 10 :]  # files saved before per-head and streaming state: 10 fields
+        keys, values, self.kept, self.valid, offset, stored, context_len, n_ctx_rows, saw, press_json = v[:10]
+        hk, hv, planned, stream = v[10:]
         self.keys, self.values = keys, values
         self.offset, self.stored, self.n_ctx_rows = int(offset), int(stored), int(n_ctx_rows)
         self.context_len = None if int(context_len) < 0 else int(context_len)
         self._saw_prefill = bool(saw)
         self.press = BasePress.from_json(press_json)
+        self.planned_len = None if planned is None or int(planned) < 0 else int(planned)
+        self.flat_keys = self.flat_values = self.head_rows = self.head_cap = None
+        if hk is not None:
+            self._set_per_head(list(hk), list(hv), [int(x) for x in self.kept[0].tolist()])
+        self.stream = None if stream is None else StreamState.from_state(self.press, stream)
+        self.peak_nbytes = self.nbytes
 
     # -- compression -----------------------------------------------------------------------
-    def compress(self) -> None:
-        """Score the whole context once and keep the press's budget. A second call is a no-op."""
-        if self.compressed:
-            return
-        if self.keys is None or self.stored == 0:
-            raise ValueError("compress() called on an empty cache: prefill the context first")
-        n = self.stored
-        keys, values = self.keys[..., :n, :], self.values[..., :n, :]
-        sel = self.press.select(keys)
-        B, H = keys.shape[:2]
-        self.context_len = n
-        if sel is None:
-            self.n_ctx_rows = n
-            self.kept = mx.full((B, H), n, dtype=mx.int32)
-            return
+    def _keep(self) -> Optional[int]:
+        """Rows per head a streaming press keeps (None: nothing to evict). Ratios apply to the planned length;
+        without one only an absolute budget can stream (checked in ``_stream_step``)."""
+        n = self.planned_len if self.planned_len is not None else sys.maxsize
+        return self.press.n_keep(n)
+
+    def _stream_step(self, keys) -> None:
+        """Before appending a chunk: fold it into the running statistics, then evict the stored rows down to
+        the budget when they exceed it, so this chunk attends to kept rows only (<= budget + chunk rows)."""
+        if self.planned_len is None and self.press.budget is None and self.press.compression_ratio > 0:
+            raise ValueError(
+                f"streaming prefill with compression_ratio={self.press.compression_ratio} needs the document's "
+                "token count: make_cache(model, press, context_len=N)"
+            )
+        if self.planned_len is not None and self.offset + keys.shape[2] > self.planned_len:
+            raise ValueError(
+                f"streaming prefill: context_len={self.planned_len} was planned but "
+                f"{self.offset + keys.shape[2]} positions were fed"
+            )
+        keep = self._keep()
+        if keep is None:
+            return  # nothing will ever be evicted: plain appends, bit-identical to KVCache
+        if self.stream is None:
+            if self.stored:
+                raise ValueError("a streaming press must see the context from its first chunk (clone it earlier)")
+            self.stream = StreamState(self.press, self.planned_len)
+        new = self.stream.observe(keys)
+        if self._rows_kept() > keep * keys.shape[1]:
+            self._evict(keep)
+        self.stream.append(new)
+        mx.eval(self.stream.arrays())
+
+    def _rows_kept(self) -> int:
+        """Real (head, row) pairs stored, over all heads of batch entry 0."""
+        if self.stored == 0:
+            return 0
+        if self.kept is None:
+            return self.stored * self.keys.shape[1]
+        return int(mx.sum(self.kept[0]).item()) + (self.stored - self.n_ctx_rows) * self.kept.shape[1]
+
+    def _rows(self):
+        """The stored rows as dense ``(keys, values, valid)`` ``[B, H, stored, D]`` in any layout; ``valid``
+        (None when no head is padded) covers every row. Per-head rows are padded transiently (one layer)."""
+        if self.flat_keys is not None:
+            k, v, valid = self.padded()
+        else:
+            n = self.stored
+            k, v, valid = self.keys[..., :n, :], self.values[..., :n, :], self.valid
+        if valid is not None and valid.shape[2] < k.shape[2]:
+            B, H, R = valid.shape
+            valid = mx.concatenate([valid, mx.ones((B, H, k.shape[2] - R), dtype=mx.bool_)], axis=2)
+        return k, v, valid
+
+    def _select_stored(self, keep: int):
+        keys, values, valid = self._rows()
+        scores = self.stream.scores(keys, valid)
+        sel = select(scores, keep, self.press.head_budget, n_sink=self.press.n_sink, safeguard=self.press.safeguard)
+        return keys, values, sel
+
+    def _evict(self, keep: int) -> None:
+        """Keep ``keep`` rows per head (``H * keep`` per layer, adaptive) of the stored rows, by streaming scores."""
+        keys, values, sel = self._select_stored(keep)
+        self._gather(keys, values, sel)
+        self.stream.take(sel.indices)
+        if self.valid is not None and self.keys.shape[0] == 1:
+            self._to_per_head()  # ragged heads hold their rows unpadded between evictions too
+
+    def _gather(self, keys, values, sel) -> None:
         idx = sel.indices[..., None]
         self.keys = mx.take_along_axis(keys, idx, axis=2)
         self.values = mx.take_along_axis(values, idx, axis=2)
+        self.flat_keys = self.flat_values = self.head_rows = self.head_cap = None
         self.stored = self.n_ctx_rows = sel.indices.shape[2]
         self.kept, self.valid = sel.counts, sel.valid
 
-    def head_mask(self, mask, n_q_heads: int, n_queries: int, n_keys: int):
-        """The attention mask with this layer's padded rows hidden, per KV head: ``[B, Hq, L, S]``."""
+    def compress(self) -> None:
+        """Score the context and keep the press's budget (streaming: the rows still stored, scored with the
+        running statistics). A second call is a no-op."""
+        if self.compressed:
+            return
+        if self.empty() or self.stored == 0:
+            raise ValueError("compress() called on an empty cache: prefill the context first")
+        n = self.stored
+        streamed = self.stream is not None and self.stream.evicted
+        self.context_len = self.offset
+        sel = None
+        if not streamed:
+            # Nothing evicted yet: every key of the context is here, score it whole (exact).
+            keys, values = self.keys[..., :n, :], self.values[..., :n, :]
+            sel = self.press.select(keys)
+        else:
+            keep = self._keep()
+            if keep is not None and self._rows_kept() > keep * self.kept.shape[1]:
+                keys, values, sel = self._select_stored(keep)
+        self.stream = None
+        if sel is not None:
+            self._gather(keys, values, sel)
+        else:  # nothing (more) to evict: the rows after the kept ones join the context
+            tail = n - self.n_ctx_rows if self.kept is not None else 0
+            if self.kept is None:
+                self.kept = mx.full(self.keys.shape[:2], n, dtype=mx.int32)
+            elif self.flat_keys is not None:
+                self.kept = self.kept + tail
+                self.head_rows = [r + tail for r in self.head_rows]
+            else:
+                self.kept = self.kept + tail
+                self.valid = self._rows()[2]
+            self.n_ctx_rows = n
+        if self.valid is not None and self.keys.shape[0] == 1:
+            self._to_per_head()
+        self._note_peak()
+
+    def _to_per_head(self) -> None:
+        """Padded -> per-head layout (right after compression): each KV head keeps exactly its real rows."""
+        valid = np.array(self.valid[0])  # [H, R], R == stored
         B, H, R = self.valid.shape
-        rows = mx.concatenate([self.valid, mx.ones((B, H, n_keys - R), dtype=mx.bool_)], axis=-1)
-        rows = mx.repeat(rows, n_q_heads // H, axis=1)[:, :, None, :]
-        if mask is None:
-            return rows
-        if isinstance(mask, str):
-            if mask != "causal":
-                raise ValueError(f"unsupported attention mask {mask!r}")
-            q = mx.arange(n_keys - n_queries, n_keys)[:, None]
-            mask = q >= mx.arange(n_keys)[None]
-        if mask.dtype == mx.bool_:
-            return rows & mask
-        return mx.where(rows, mask, mx.finfo(mask.dtype).min)
+        idx = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))  # real rows, head-major
+        flat_k = mx.take(self.keys[..., :R, :].reshape(B, 1, H * R, -1), idx, axis=2)
+        flat_v = mx.take(self.values[..., :R, :].reshape(B, 1, H * R, -1), idx, axis=2)
+        mx.eval(flat_k, flat_v)  # so the padded buffers can be freed
+        counts = [int(x) for x in valid.sum(axis=1)]
+        self.flat_keys, self.flat_values = flat_k, flat_v
+        self.head_rows, self.head_cap = counts, list(counts)
+        self.n_ctx_rows = self.stored = max(counts)
+        self.keys = self.values = self.valid = None
+
+    def padded(self):
+        """This layer's rows as ``(keys, values, valid)``: ``[B, H, n_ctx_rows + appended, D]`` with context rows
+        padded per head and ``valid`` ``[B, H, n_ctx_rows]`` (None when no head is padded)."""
+        if self.flat_keys is None:
+            k, v = self.keys_and_values()
+            return k, v, self.valid
+        tail = self.stored - self.n_ctx_rows
+        R = self.n_ctx_rows
+        ks, vs = [], []
+        for k, v, r in zip(self.head_keys, self.head_values, self.head_rows):
+            zk = mx.zeros((1, 1, R - r, k.shape[3]), k.dtype)
+            zv = mx.zeros((1, 1, R - r, v.shape[3]), v.dtype)
+            ks.append(mx.concatenate([k[..., :r, :], zk, k[..., r : r + tail, :]], axis=2))
+            vs.append(mx.concatenate([v[..., :r, :], zv, v[..., r : r + tail, :]], axis=2))
+        valid = mx.arange(R)[None, None, :] < self.kept[..., None]
+        return mx.concatenate(ks, axis=1), mx.concatenate(vs, axis=1), valid
 
     def memory(self, layer: int) -> LayerMemory:
         """Accounting for this layer in its real dtype (see LayerMemory)."""
-        if self.keys is None:
+        if self.empty():
             return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
-        B, H, _, dk = self.keys.shape
-        dv = self.values.shape[3]
-        row_bytes = (dk * self.keys.dtype.size + dv * self.values.dtype.size)
-        seen = self.context_len if self.compressed else self.stored
-        kept = self.kept if self.compressed else mx.full((B, H), self.stored, dtype=mx.int32)
-        appended = self.appended
+        if self.flat_keys is not None:
+            k0, v0 = self.flat_keys, self.flat_values
+            B, H, dk, dv = k0.shape[0], len(self.head_rows), k0.shape[3], v0.shape[3]
+        else:
+            k0, v0 = self.keys, self.values
+            B, H, _, dk = k0.shape
+            dv = v0.shape[3]
+        row_bytes = dk * k0.dtype.size + dv * v0.dtype.size
+        tail = self.stored - self.n_ctx_rows if self.kept is not None else 0
+        kept = self.kept if self.kept is not None else mx.full((B, H), self.stored, dtype=mx.int32)
+        seen = self.context_len + tail if self.compressed else self.offset
         return LayerMemory(
             layer=layer,
             n_kv_heads=H,
             head_dim=dk,
-            dtype=str(self.keys.dtype).removeprefix("mlx.core."),
-            tokens_seen=seen,
+            dtype=str(k0.dtype).removeprefix("mlx.core."),
+            tokens_seen=self.context_len if self.compressed else self.offset,
             kept_min=int(mx.min(kept).item()),
             kept_max=int(mx.max(kept).item()),
             kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),
-            bytes_full=B * H * (seen + appended) * row_bytes,
-            bytes_kept=(int(mx.sum(kept).item()) + B * H * appended) * row_bytes,
+            bytes_full=B * H * seen * row_bytes,
+            bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
             bytes_resident=self.nbytes,
         )
 
@@ -224,50 +458,16 @@ class NestedKVCache(KVCache):
 mlx_cache.NestedKVCache = NestedKVCache
 
 
-# -- attention hook for adaptive head budgets ---------------------------------------------------
-# mlx-lm builds one mask from the first layer's cache for all layers, so a per-layer, per-head
-# mask cannot come from make_mask. Model modules call the `scaled_dot_product_attention` they
-# imported from mlx_lm.models.base; we swap that name for a wrapper that adds the head mask for
-# NestedKVCache layers holding padded rows and passes everything else through untouched.
-_sdpa = mlx_base.scaled_dot_product_attention
-
-
-def attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, NestedKVCache) and cache.valid is not None:
-        mask = cache.head_mask(mask, queries.shape[1], queries.shape[2], keys.shape[2])
-    return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def _hook_loaded_models() -> None:
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _sdpa:
-            module.scaled_dot_product_attention = attention
-
-
-def _attention_modules(model):
-    for layer in model.layers:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-        yield sys.modules[type(attn).__module__] if attn is not None else None
-
-
-def install_attention_hook(model) -> None:
-    """Route the model's attention through ``attention`` (idempotent); raise if it cannot be."""
-    for module in _attention_modules(model):
-        fn = getattr(module, "scaled_dot_product_attention", None) if module else None
-        if fn is _sdpa:
-            module.scaled_dot_product_attention = attention
-        elif fn is not attention:
-            raise ValueError(
-                f"head_budget='adaptive' needs a model whose attention calls mlx-lm's "
-                f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
-            )
-
-
 # -- public API ------------------------------------------------------------------------------
-def make_cache(model, press: Optional[BasePress] = None) -> list[NestedKVCache]:
-    """One NestedKVCache per layer; a drop-in ``prompt_cache`` for mlx-lm."""
+def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None) -> list[NestedKVCache]:
+    """One NestedKVCache per layer; a drop-in ``prompt_cache`` for mlx-lm.
+
+    ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
+    compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
+    """
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
+    context_len = _check_context_len(context_len)
     defaults = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     for i, c in enumerate(defaults):
         if type(c) is not KVCache:
@@ -276,7 +476,7 @@ def make_cache(model, press: Optional[BasePress] = None) -> list[NestedKVCache]:
             )
     if press is not None and press.head_budget == "adaptive":
         install_attention_hook(model)
-    return [NestedKVCache(press) for _ in defaults]
+    return [NestedKVCache(press, context_len) for _ in defaults]
 
 
 def _check_cache(cache) -> None:
@@ -289,60 +489,71 @@ def compress(cache) -> None:
     _check_cache(cache)
     for c in cache:
         c.compress()
-    mx.eval([(c.keys, c.values, c.kept, c.valid) for c in cache])
+    mx.eval([c.state for c in cache])
 
 
 def clone(cache, press: Optional[BasePress] = None) -> list[NestedKVCache]:
-    """A copy of an uncompressed cache, optionally under another press. Cheap: MLX arrays are
-    immutable, so the copies share the prefilled keys and values until one of them writes."""
+    """A copy of a cache, optionally (uncompressed caches only) under another press. Cheap: MLX arrays are
+    immutable, so the copies share the keys and values until one of them writes."""
     _check_cache(cache)
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
     out = []
     for c in cache:
         d = copy.copy(c)
+        # New array objects: slice assignment rebinds the Python object in place, so sharing
+        # the objects themselves would let the copy write into the original.
         if c.keys is not None:
-            # New array objects: slice assignment rebinds the Python object in place, so sharing
-            # the objects themselves would let the copy write into the original.
             d.keys, d.values = c.keys[..., : c.stored, :], c.values[..., : c.stored, :]
+        if c.flat_keys is not None:
+            n = c.flat_keys.shape[2]
+            d.flat_keys, d.flat_values = c.flat_keys[:, :, :n], c.flat_values[:, :, :n]
+        if c.stream is not None:
+            d.stream = copy.copy(c.stream)
+            d.stream.rows = dict(c.stream.rows)
         if press is not None:
-            if c.compressed:
-                raise ValueError("clone(cache, press) needs an uncompressed cache: this one is compressed")
+            if c.compressed or c.stream is not None or c.kept is not None:
+                raise ValueError("clone(cache, press) needs an uncompressed cache that evicted nothing")
             d.press = press
         out.append(d)
     return out
 
 
 def stack(caches: Sequence[list]) -> list:
-    """One batch cache (B = len(caches)) per layer from compressed single-document caches that hold the
-    same context and the same appended rows (the question), each with its own kept context rows.
+    """Batch compressed caches for decode: one cache per layer with B = len(caches) (each entry B = 1).
 
-    Row layout per batch entry: ``[its kept context rows | padding up to the longest | appended rows]``;
-    the padding is marked invalid (``valid``), so the attention hook masks it per batch entry and head,
-    exactly like the padding of adaptive head budgets. RoPE offsets are equal (same positions seen).
+    Entries may hold different contexts (documents of different lengths) and different appended rows
+    (their questions): row layout per entry and head is ``[its kept context rows | padding | its appended
+    rows]``, all entries ending at the same row; ``valid`` marks the padding, which
+    ``attention.attention`` masks per entry and head, and ``offset`` becomes one position per entry
+    (RoPE takes an array of offsets) when they differ. New tokens are appended for all entries at once.
+    Not supported: uncompressed caches, and mlx-lm's ``merge``/``BatchKVCache`` (refused).
     """
     out = []
     for layer in zip(*caches):
-        first = layer[0]
-        if any(c.offset != first.offset or c.appended != first.appended or not c.compressed for c in layer):
-            raise ValueError("stack needs compressed caches of the same context and appended rows")
-        rows = max(c.n_ctx_rows for c in layer)
+        if not all(c.compressed for c in layer):
+            raise ValueError("stack needs compressed caches (compress each before decoding them together)")
+        rows = max(c.n_ctx_rows + c.appended for c in layer)
         ks, vs, valid = [], [], []
         for c in layer:
-            k, v = c.keys_and_values()
+            k, v, ok = c.padded()
             B, H, _, _ = k.shape
-            pad = rows - c.n_ctx_rows
-            n = c.n_ctx_rows
+            n, a = c.n_ctx_rows, c.appended
+            pad = rows - n - a
             zk = mx.zeros((B, H, pad, k.shape[3]), k.dtype)
             zv = mx.zeros((B, H, pad, v.shape[3]), v.dtype)
-            ks.append(mx.concatenate([k[..., :n, :], zk, k[..., n:, :]], axis=2))
-            vs.append(mx.concatenate([v[..., :n, :], zv, v[..., n:, :]], axis=2))
-            ok = c.valid if c.valid is not None else mx.ones((B, H, n), dtype=mx.bool_)
-            valid.append(mx.concatenate([ok, mx.zeros((B, H, pad), dtype=mx.bool_)], axis=2))
+            ks.append(mx.concatenate([k[..., :n, :], zk, k[..., n : n + a, :]], axis=2))
+            vs.append(mx.concatenate([v[..., :n, :], zv, v[..., n : n + a, :]], axis=2))
+            ok = ok if ok is not None else mx.ones((B, H, n), dtype=mx.bool_)
+            valid.append(mx.concatenate([ok, mx.zeros((B, H, pad), dtype=mx.bool_), mx.ones((B, H, a), dtype=mx.bool_)],
+                                        axis=2))
+        offsets = [c.offset for c in layer]
         s = NestedKVCache(NoPress())
         s.keys, s.values = mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
         s.kept, s.valid = mx.concatenate([c.kept for c in layer], axis=0), mx.concatenate(valid, axis=0)
-        s.offset, s.context_len, s.n_ctx_rows = first.offset, first.context_len, rows
-        s.stored = rows + first.appended
+        s.offset = offsets[0] if len(set(offsets)) == 1 else mx.array(offsets, dtype=mx.int32)
+        s.context_len, s.n_ctx_rows = max(c.context_len for c in layer), rows
+        s.stored = rows
+        s._note_peak()
         out.append(s)
     return out

@@ -21,6 +21,9 @@ from nestedkv.selection import (
 )
 
 
+PREFILL_MODES = ("whole", "streaming")
+
+
 @dataclass(frozen=True)
 class BasePress:
     """``compression_ratio`` is the fraction of context entries REMOVED (kvpress and the paper);
@@ -33,6 +36,9 @@ class BasePress:
     head_budget: str = "uniform"
     n_sink: int = N_SINK
     safeguard: float = SAFEGUARD
+    # "whole": compress once after the last prefill chunk. "streaming": also evict down to the budget during
+    # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see cache.py).
+    prefill: str = "whole"
 
     def __post_init__(self):
         check_ratio(self.compression_ratio)
@@ -42,6 +48,8 @@ class BasePress:
             raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
         if not 0.0 <= self.safeguard <= 1.0:
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
 
     def score(self, keys: mx.array) -> mx.array:
         raise NotImplementedError
@@ -81,6 +89,15 @@ class NoPress(BasePress):
         return None
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check(ok: bool, name: str, want: str, got) -> None:
+    if not ok:
+        raise ValueError(f"nestedkv parameter {name} must be {want}, got {got!r}")
+
+
 @dataclass(frozen=True)
 class NestedKVPress(BasePress):
     name: ClassVar[str] = "nestedkv"
@@ -94,6 +111,21 @@ class NestedKVPress(BasePress):
     kappa: float = scoring.KAPPA
     use_gate: bool = True
     scales: tuple = (True, True, True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
+               "window", "an int >= 1", self.window)
+        _check(self.block is None or (isinstance(self.block, int) and not isinstance(self.block, bool)
+                                      and self.block >= 1), "block", "None or an int >= 1", self.block)
+        _check(isinstance(self.prior, tuple) and len(self.prior) == 3 and all(_number(p) and p > 0 for p in self.prior),
+               "prior", "three positive numbers", self.prior)
+        for name in ("beta", "tau", "kappa"):
+            _check(_number(getattr(self, name)), name, "a number", getattr(self, name))
+        _check(_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail)
+        _check(isinstance(self.use_gate, bool), "use_gate", "true or false", self.use_gate)
+        _check(isinstance(self.scales, tuple) and len(self.scales) == 3 and all(isinstance(x, bool) for x in self.scales)
+               and any(self.scales), "scales", "three booleans, at least one true", self.scales)
 
     def score(self, keys):
         return scoring.nestedkv_scores(

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import generate, stream_generate
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
-import nestedkv.cache as nkv_cache
+import nestedkv.attention as nkv_attention
 from nestedkv import (
     KeyDiffPress,
     KnormPress,
@@ -20,6 +20,9 @@ from nestedkv import (
     compress,
     layer_stats,
     make_cache,
+    peak_kv_bytes,
+    reset_peak,
+    stack,
 )
 
 
@@ -168,12 +171,15 @@ def test_nestedkv_rows_are_the_selected_positions_in_order(head_budget):
     sel = press.select(keys)
     idx = np.array(sel.indices)
     valid = np.ones(idx.shape, bool) if sel.valid is None else np.array(sel.valid)
+    pk, pv, _ = c.padded()
     for h in range(4):
         real = idx[0, h][valid[0, h]]
         assert real[:4].tolist() == [0, 1, 2, 3] and np.all(np.diff(real) > 0)
         n = len(real)
-        assert np.array_equal(np.array(c.keys[0, h, :n]), np.array(keys)[0, h, real])
-        assert np.array_equal(np.array(c.values[0, h, :n]), np.array(values)[0, h, real])
+        assert np.array_equal(np.array(pk[0, h, :n]), np.array(keys)[0, h, real])
+        assert np.array_equal(np.array(pv[0, h, :n]), np.array(values)[0, h, real])
+        if head_budget == "adaptive":  # stored without padding: exactly its own rows
+            assert c.head_keys[h].shape == c.head_values[h].shape == (1, 1, n, 16)
     assert int(np.array(c.kept).sum()) == 4 * 175
 
 
@@ -186,7 +192,7 @@ def test_question_and_decode_never_evicted_and_rewind(tiny_model, tokens, head_b
     compress(cache)
     fresh = clone(cache)
     rows = [c.n_ctx_rows for c in cache]
-    ctx = [(c.keys[..., : c.n_ctx_rows, :], c.values[..., : c.n_ctx_rows, :]) for c in cache]
+    ctx = [tuple(x[..., : c.n_ctx_rows, :] for x in c.padded()[:2]) for c in cache]
 
     logits = model(tokens(20, seed=1)[None], cache=cache)
     for _ in range(5):
@@ -195,7 +201,8 @@ def test_question_and_decode_never_evicted_and_rewind(tiny_model, tokens, head_b
     compress(cache)  # a second call must not touch anything
     for c, r, (k, v) in zip(cache, rows, ctx):
         assert c.stored == r + 25 and c.offset == 825 and c.appended == 25
-        assert mx.array_equal(c.keys[..., :r, :], k).item() and mx.array_equal(c.values[..., :r, :], v).item()
+        pk, pv, _ = c.padded()
+        assert mx.array_equal(pk[..., :r, :], k).item() and mx.array_equal(pv[..., :r, :], v).item()
 
     assert cache[0].trim(10) == 10 and cache[0].stored == rows[0] + 15
     assert cache[0].trim(1000) == 15 and (cache[0].stored, cache[0].offset) == (rows[0], 800)
@@ -243,7 +250,8 @@ def test_bf16_model_cache_stays_bf16(tiny_model, tokens, head_budget):
     logits = model(tokens(3)[None], cache=cache)
     assert bool(mx.all(mx.isfinite(logits)).item())
     for c, s in zip(cache, layer_stats(cache)):
-        assert c.keys.dtype == c.values.dtype == mx.bfloat16
+        k, v, _ = c.padded()
+        assert k.dtype == v.dtype == mx.bfloat16
         assert s.dtype == "bfloat16" and s.kept_mean == 100
 
 
@@ -263,11 +271,12 @@ def test_save_load_roundtrip_of_a_compressed_cache(tiny_model, tokens, tmp_path,
         assert (a.offset, a.stored, a.context_len, a.n_ctx_rows, a.press) == (
             b.offset, b.stored, b.context_len, b.n_ctx_rows, b.press)
         assert mx.array_equal(a.kept, b.kept).item()
-        assert (a.valid is None) == (b.valid is None)
-        if a.valid is not None:
-            assert mx.array_equal(a.valid, b.valid).item()
-    if head_budget == "adaptive":
-        assert any(c.valid is not None for c in loaded)
+        assert a.valid is None and b.valid is None and a.head_rows == b.head_rows
+        for x, y in zip(a.padded()[:2], b.padded()[:2]):
+            assert mx.array_equal(x, y).item()
+    if head_budget == "adaptive":  # stored per head, without padding, and loaded that way
+        assert any(c.head_keys is not None for c in loaded)
+        assert [c.nbytes for c in loaded] == [s.bytes_kept for s in layer_stats(loaded)]  # rows only, no free space
     y = tokens(1, seed=3)[None]
     assert mx.array_equal(model(y, cache=cache), model(y, cache=loaded)).item()
     for caches in (cache, loaded):
@@ -282,7 +291,7 @@ def test_loaded_adaptive_cache_masks_padding_without_make_cache(tiny_model, toke
     cache = make_cache(model, NestedKVPress(budget=40, head_budget="adaptive"))
     prefill(model, cache, tokens(400), 200)
     compress(cache)
-    assert any(c.valid is not None for c in cache)
+    assert any(c.head_keys is not None for c in cache)
     path = str(tmp_path / "adaptive.safetensors")
     save_prompt_cache(path, cache)
     q = tokens(3, seed=1)[None]
@@ -290,7 +299,7 @@ def test_loaded_adaptive_cache_masks_padding_without_make_cache(tiny_model, toke
     # As in a fresh process that loads the cache but never calls make_cache: no hook yet.
     import mlx_lm.models.llama as llama_module
 
-    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", nkv_cache._sdpa)
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", nkv_attention._sdpa)
     got = model(q, cache=load_prompt_cache(path))
     assert mx.array_equal(got, want).item()
 
@@ -342,14 +351,14 @@ def test_layers_with_different_stored_lengths(tiny_model, tokens):
 # -- (10) adaptive: per-head masks and accounting -----------------------------------------------
 def _capture_attention(monkeypatch):
     calls = []
-    orig = nkv_cache._sdpa
+    orig = nkv_attention._sdpa
 
     def spy(queries, keys, values, cache, scale, mask, sinks=None):
         out = orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         calls.append((cache, queries, keys, values, scale, out))
         return out
 
-    monkeypatch.setattr(nkv_cache, "_sdpa", spy)
+    monkeypatch.setattr(nkv_attention, "_sdpa", spy)
     return calls
 
 
@@ -377,20 +386,29 @@ def test_adaptive_attention_equals_reference_over_kept_rows(tiny_model, tokens, 
     cache = make_cache(model, NestedKVPress(budget=40, head_budget="adaptive"))
     prefill(model, cache, tokens(400), 128)
     compress(cache)
-    padded = [c for c in cache if c.valid is not None]
-    assert padded, "the random model should give heads different counts"
+    ragged = [c for c in cache if c.head_keys is not None]
+    assert ragged, "the random model should give heads different counts"
+    padded = stack([cache])  # the padded-and-masked layout of the same rows
+    assert all(p.valid is not None for p in padded)
     calls = _capture_attention(monkeypatch)
-    logits = model(tokens(3, seed=1)[None], cache=cache)  # a question: causal mask
-    model(greedy(logits), cache=cache)  # a decode step: no mask
+    q = tokens(3, seed=1)[None]
+    want = model(q, cache=padded)  # a question: causal mask
+    y = greedy(want)
+    want_step = model(y, cache=padded)  # a decode step: no mask
     checked = 0
-    for c, q, k, v, scale, out in calls:
-        if c.valid is None:
+    for c, q_, k, v, scale, out in calls:
+        if c is None or c.valid is None:
             continue
         assert not np.array(c.valid).all()
-        ref = _reference_attention(c, q, k, v, scale)
+        ref = _reference_attention(c, q_, k, v, scale)
         np.testing.assert_allclose(np.array(out), ref, atol=1e-5)
         checked += 1
     assert checked == 2 * len(padded)
+    # Per-head (unpadded) attention gives the padded path's outputs.
+    got = model(q, cache=cache)
+    got_step = model(y, cache=cache)
+    assert float(mx.max(mx.abs(got - want)).item()) <= 1e-5
+    assert float(mx.max(mx.abs(got_step - want_step)).item()) <= 1e-5
 
 
 def test_adaptive_padded_rows_get_zero_weight(tiny_model, tokens):
@@ -398,21 +416,20 @@ def test_adaptive_padded_rows_get_zero_weight(tiny_model, tokens):
     cache = make_cache(model, NestedKVPress(compression_ratio=0.9, head_budget="adaptive"))
     prefill(model, cache, tokens(500), 256)
     compress(cache)
-    poisoned = clone(cache)
+    clean, poisoned = stack([cache]), stack([cache])
     n_padded = 0
     for c in poisoned:
-        if c.valid is None:
-            continue
         n_padded += int((~c.valid).sum().item())
         keep = c.valid[..., None]
         c.keys = mx.where(keep, c.keys, 30.0).astype(c.keys.dtype)
         c.values = mx.where(keep, c.values, 1e4).astype(c.values.dtype)
     assert n_padded > 0
     q = tokens(4, seed=1)[None]
-    a, b = model(q, cache=cache), model(q, cache=poisoned)
-    assert mx.allclose(a, b, atol=1e-6).item()
+    a, b, r = model(q, cache=clean), model(q, cache=poisoned), model(q, cache=cache)
+    assert mx.allclose(a, b, atol=1e-6).item() and mx.allclose(a, r, atol=1e-5).item()
     y = greedy(a)
-    assert mx.allclose(model(y, cache=cache), model(y, cache=poisoned), atol=1e-6).item()
+    a, b, r = model(y, cache=clean), model(y, cache=poisoned), model(y, cache=cache)
+    assert mx.allclose(a, b, atol=1e-6).item() and mx.allclose(a, r, atol=1e-5).item()
 
 
 def test_memory_accounting(tiny_model, tokens):
@@ -435,11 +452,15 @@ def test_memory_accounting(tiny_model, tokens):
             assert all(abs(s.bytes_resident - s.bytes_kept) <= 0.05 * s.bytes_kept for s in stats)
         else:
             assert any(s.kept_min < s.kept_max for s in stats)
-            assert any(s.bytes_kept < s.bytes_resident for s in stats)
-            assert all(s.bytes_resident == s.kept_max * row for s in stats)
+            # no padding: each head holds exactly its own rows
+            assert all(s.bytes_resident == s.bytes_kept for s in stats)
+            for c in cache:
+                assert [k.shape[2] for k in c.head_keys] == np.array(c.kept)[0].tolist()
         model(tokens(10, seed=1)[None], cache=cache)
         after = layer_stats(cache)
         assert all(s.bytes_kept == 160 * row and s.bytes_full == 610 * row for s in after)
+        # appends grow every head by one 256-row step: (150 + 256) rows per head on average
+        assert all(s.bytes_resident == 406 * row for s in after)
 
 
 # -- mlx-lm integration, clone, errors, architectures -------------------------------------------
@@ -525,10 +546,34 @@ def test_gqa_scores_kv_heads_on_every_arch(tiny_model, tokens, arch, head_budget
     logits = prefill(model, cache, tokens(300), 128)
     compress(cache)
     for c in cache:
-        assert c.keys.shape[:2] == (1, 2) and c.kept.shape == (1, 2)
+        assert c.padded()[0].shape[:2] == (1, 2) and c.kept.shape == (1, 2)
         assert int(c.kept.sum().item()) == 64
         if head_budget == "uniform":
             assert c.keys.shape == (1, 2, 32, 16)
+        else:
+            assert [k.shape[2] for k in c.head_keys] == np.array(c.kept)[0].tolist()
     for _ in range(3):
         logits = model(greedy(logits), cache=cache)
     assert bool(mx.all(mx.isfinite(logits)).item()) and cache[0].offset == 303
+
+
+# -- peak K/V bytes ------------------------------------------------------------------------------
+def test_peak_kv_bytes_per_layer_and_reset(tiny_model, tokens):
+    model = tiny_model("llama")
+    row = 2 * 16 * 4 * 2  # bytes of one row over both KV heads, keys + values, fp32
+    cache = make_cache(model, NestedKVPress(budget=100))
+    assert peak_kv_bytes(cache) == [0, 0]
+    prefill(model, cache, tokens(1000), 256)
+    assert peak_kv_bytes(cache) == [1024 * row] * 2  # four 256-row growth steps
+    compress(cache)
+    assert [c.nbytes for c in cache] == [100 * row] * 2 and peak_kv_bytes(cache) == [1024 * row] * 2
+    reset_peak(cache)
+    assert peak_kv_bytes(cache) == [100 * row] * 2
+    model(tokens(10, seed=1)[None], cache=cache)
+    assert peak_kv_bytes(cache) == [356 * row] * 2
+    for c in cache:
+        c.rewind()
+    reset_peak(cache)
+    assert peak_kv_bytes(cache) == [356 * row] * 2  # the buffer stays allocated for the next question
+    cache[0].reset_peak()
+    assert cache[0].peak_nbytes == cache[0].nbytes == 356 * row

@@ -1,0 +1,107 @@
+"""Attention over compressed caches whose KV heads hold different rows.
+
+Two layouts need more than mlx-lm's attention:
+
+- padded (``valid`` [B, H, R] on the cache): every head is padded to R context rows; ``head_mask`` hides the
+  padding per batch entry and KV head. Used by ``nestedkv.stack`` (batched decode of compressed caches).
+- per-head (the cache returns lists of ``[B, 1, S_h, D]`` keys and values, one per KV head): adaptive head
+  budgets stored without padding; each KV head attends with its own query group.
+
+mlx-lm builds one mask from the first layer's cache for all layers, so a per-layer, per-head mask cannot come
+from ``make_mask``. Model modules call the ``scaled_dot_product_attention`` they imported from
+``mlx_lm.models.base``; ``install_attention_hook`` swaps that name for ``attention``, which handles the two
+layouts above and passes everything else through untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+
+_sdpa = mlx_base.scaled_dot_product_attention
+
+
+def head_mask(valid: mx.array, mask, n_q_heads: int, n_queries: int, n_keys: int):
+    """``mask`` with the padded context rows hidden per KV head: ``[B, Hq, L, S]``.
+
+    ``valid`` [B, H, R] marks the real rows among the first R keys; keys past R (appended rows) are real.
+    ``mask`` is None, ``"causal"`` (aligned to the end of the keys) or an array broadcastable to [B, Hq, L, S].
+    """
+    B, H, R = valid.shape
+    rows = mx.concatenate([valid, mx.ones((B, H, n_keys - R), dtype=mx.bool_)], axis=-1)
+    rows = mx.repeat(rows, n_q_heads // H, axis=1)[:, :, None, :]
+    if mask is None:
+        return rows
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        q = mx.arange(n_keys - n_queries, n_keys)[:, None]
+        mask = q >= mx.arange(n_keys)[None]
+    if mask.dtype == mx.bool_:
+        return rows & mask
+    return mx.where(rows, mask, mx.finfo(mask.dtype).min)
+
+
+def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=None):
+    """Attention where KV head h holds its own rows ``keys[h]`` ``[B, 1, S_h, D]``; the query heads of its GQA
+    group attend to those rows only. ``mask`` is None or ``"causal"`` (aligned to the end of each head's keys)."""
+    H = len(keys)
+    Hq = queries.shape[1]
+    if Hq % H:
+        raise ValueError(f"per-head attention needs query heads ({Hq}) to be a multiple of KV heads ({H})")
+    if mask is not None and not isinstance(mask, str):
+        # An array mask is built over one key length; heads here have different lengths.
+        raise ValueError("per-head (adaptive, unpadded) attention supports only mask=None or 'causal'")
+    g = Hq // H
+    outs = [
+        _sdpa(
+            queries[:, h * g : (h + 1) * g],
+            keys[h],
+            values[h],
+            cache=None,
+            scale=scale,
+            mask=mask,
+            sinks=None if sinks is None else sinks[h * g : (h + 1) * g],
+        )
+        for h in range(H)
+    ]
+    return mx.concatenate(outs, axis=1)
+
+
+def attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that understands NestedKV's ragged layouts."""
+    if isinstance(keys, list):
+        return per_head_attention(queries, keys, values, scale, mask, sinks)
+    valid = getattr(cache, "valid", None)
+    if valid is not None:
+        mask = head_mask(valid, mask, queries.shape[1], queries.shape[2], keys.shape[2])
+    return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def hook_loaded_models() -> None:
+    """Route every already imported mlx-lm model module through ``attention`` (a cache loaded from disk never
+    went through ``make_cache``)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _sdpa:
+            module.scaled_dot_product_attention = attention
+
+
+def _attention_modules(model):
+    for layer in model.layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        yield sys.modules[type(attn).__module__] if attn is not None else None
+
+
+def install_attention_hook(model) -> None:
+    """Route the model's attention through ``attention`` (idempotent); raise if it cannot be."""
+    for module in _attention_modules(model):
+        fn = getattr(module, "scaled_dot_product_attention", None) if module else None
+        if fn is _sdpa:
+            module.scaled_dot_product_attention = attention
+        elif fn is not attention:
+            raise ValueError(
+                f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
+                f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
+            )
