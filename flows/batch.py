@@ -112,42 +112,36 @@ def _batch(task_name: Task, input: str, press: str, compression_ratio: float, bu
     return run_flow(f"{task_name}-batch", input, [config], db, options, options.engine_options(), hooks)
 
 
-@flow(name="summarize-batch", persist_result=False)
-def summarize_batch(
-    input: str = DEFAULT_INPUT,
-    press: str = "nestedkv",
-    compression_ratio: float = 0.75,
-    budget: Optional[int] = None,
-    head_budget: HeadBudget = "uniform",
-    prefill: PrefillMode = "whole",
-    press_params: Optional[dict[str, Any]] = None,
-    model: str = DEFAULT_MODEL,
-    db: str = DEFAULT_DB,
-    options: BatchOptions = BatchOptions(),
-    hooks: Optional[Any] = None,
-) -> Summary:
-    """Summarize every document of a Parquet batch with a compressed KV cache; store outputs and KV memory."""
-    return _batch("summarize", input, press, compression_ratio, budget, head_budget, prefill, press_params, model,
-                  db, options, hooks)
+def _batch_flow(task_name: Task, doc: str):
+    """The ``<task>-batch`` flow: one press configuration over a batch (flat parameters are the ones users
+    change on a re-run; the rest live in ``options``)."""
+
+    def batch(
+        input: str = DEFAULT_INPUT,
+        press: str = "nestedkv",
+        compression_ratio: float = 0.75,
+        budget: Optional[int] = None,
+        head_budget: HeadBudget = "uniform",
+        prefill: PrefillMode = "whole",
+        press_params: Optional[dict[str, Any]] = None,
+        model: str = DEFAULT_MODEL,
+        db: str = DEFAULT_DB,
+        options: BatchOptions = BatchOptions(),
+        hooks: Optional[Any] = None,
+    ) -> Summary:
+        return _batch(task_name, input, press, compression_ratio, budget, head_budget, prefill, press_params, model,
+                      db, options, hooks)
+
+    # Deployments import a flow by module path and function name.
+    batch.__name__ = batch.__qualname__ = f"{task_name}_batch"
+    batch.__doc__ = doc
+    return flow(name=f"{task_name}-batch", persist_result=False)(batch)
 
 
-@flow(name="qa-batch", persist_result=False)
-def qa_batch(
-    input: str = DEFAULT_INPUT,
-    press: str = "nestedkv",
-    compression_ratio: float = 0.75,
-    budget: Optional[int] = None,
-    head_budget: HeadBudget = "uniform",
-    prefill: PrefillMode = "whole",
-    press_params: Optional[dict[str, Any]] = None,
-    model: str = DEFAULT_MODEL,
-    db: str = DEFAULT_DB,
-    options: BatchOptions = BatchOptions(),
-    hooks: Optional[Any] = None,
-) -> Summary:
-    """Answer every question of every document of a Parquet batch from one compressed KV cache per document."""
-    return _batch("qa", input, press, compression_ratio, budget, head_budget, prefill, press_params, model, db,
-                  options, hooks)
+summarize_batch = _batch_flow(
+    "summarize", "Summarize every document of a Parquet batch with a compressed KV cache; store outputs and KV memory.")
+qa_batch = _batch_flow(
+    "qa", "Answer every question of every document of a Parquet batch from one compressed KV cache per document.")
 
 
 @flow(name="budget-sweep", persist_result=False)

@@ -36,9 +36,21 @@ def local_api() -> Iterator[None]:
     server.start()
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield
+            try:
+                yield
+            finally:
+                _flush_logs()  # while the server still listens: queued run logs would be lost (and complain)
     finally:
         server.stop()
+
+
+def _flush_logs() -> None:
+    from prefect.logging.handlers import APILogHandler
+
+    try:
+        APILogHandler.flush(APILogHandler())
+    except Exception:  # logs are a report: never fail the command over them
+        pass
 
 
 class OwnedServer(SubprocessASGIServer):

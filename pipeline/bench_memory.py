@@ -1,0 +1,164 @@
+"""Memory at its peak, for real text at growing lengths: no compression, whole-context compression and
+streaming compression (budget and ratio), and adaptive head budgets padded against unpadded.
+
+    nkv bench memory [--lengths 1024,2048,4096,8192] [--budget 512] [--compression-ratio 0.75] [--out DIR]
+
+Per length, one uncompressed prefill serves the uncompressed and the whole-context rows (they hold the
+whole context while prefilling, by definition); each streaming row prefills on its own. Columns: peak
+K/V MiB while prefilling and while decoding (the caches' own buffers, measured), process peak MiB
+(``mx.get_peak_memory``: weights and activations included), prefill seconds (compression included) and
+decode tokens per second. Writes ``memory.json``, ``memory.md`` and ``memory.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _text_ids(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of real text: the bundled novels' chapters, one after another."""
+    import pyarrow.parquet as pq
+
+    from pipeline.prompts import encode
+
+    root = Path(__file__).resolve().parents[1] / "data"
+    texts = pq.read_table(root / "eval_set.parquet", columns=["text"])["text"].to_pylist()
+    texts += pq.read_table(root / "sample_batch.parquet", columns=["text"])["text"].to_pylist()
+    ids: list[int] = []
+    for t in texts:
+        ids += encode(tokenizer, t + "\n\n")
+        if len(ids) >= n:
+            return ids[:n]
+    raise ValueError(f"the bundled text has only {len(ids)} tokens; asked for {n}")
+
+
+def measure(model_ref: str, lengths: list[int], budget: int, ratio: float, chunk: int, new_tokens: int,
+            log=print) -> list[dict]:
+    import mlx.core as mx
+
+    import nestedkv
+    from pipeline.config import RunConfig
+    from pipeline.engine import make_runner
+    from pipeline.results import DocumentResult, QuestionResult
+    from pipeline.runner import PreparedDocument
+    from pipeline.prompts import encode
+
+    config = RunConfig(task="summarize", model=model_ref, prefill_step_size=chunk, max_new_tokens=new_tokens,
+                       repetition_penalty=1.0)
+    runner = make_runner(config)
+    question = encode(runner.tokenizer, "\n\n" + config.summary_instruction)
+    rows = []
+
+    def finish(label: str, n: int, cache, res: DocumentResult, prefill_s: float) -> None:
+        runner.compress(cache, res)
+        peak_prefill = max(res.peak_prefill_bytes, mx.get_peak_memory())
+        stats = nestedkv.layer_stats(cache)
+        kept = sum(m.bytes_kept for m in stats)
+        # What a padded layout allocates: every head of a layer as long as its longest.
+        padded = sum(m.kept_max * m.n_kv_heads * m.bytes_kept / (m.kept_mean * m.n_kv_heads)
+                     for m in stats if m.kept_mean)
+        q = QuestionResult(0, config.summary_instruction)
+        mx.reset_peak_memory()
+        nestedkv.reset_peak(cache)
+        runner.answer(cache, question, q)
+        rows.append({
+            "tokens": n, "mode": label,
+            "peak_kv_prefill_mib": round(res.peak_kv_prefill_bytes / MIB, 1),
+            "peak_kv_decode_mib": round(sum(nestedkv.peak_kv_bytes(cache)) / MIB, 1),
+            "full_kv_mib": round(sum(m.bytes_full for m in stats) / MIB, 1),
+            "process_peak_mib": round(max(peak_prefill, mx.get_peak_memory()) / MIB, 1),
+            "prefill_s": round(prefill_s + res.compress_s, 2),
+            "decode_tok_s": round(q.decode_tok_s, 2),
+            "resident_over_kept": round(sum(m.bytes_resident for m in stats) / kept, 3) if kept else None,
+            "padded_over_kept": round(padded / kept, 3) if kept else None,
+        })
+        log(json.dumps(rows[-1]))
+
+    room = (runner.max_context or max(lengths) + len(question) + new_tokens) - len(question) - new_tokens
+    for n in (min(n, room) for n in lengths):  # the model's window holds the question and the answer too
+        ids = _text_ids(runner.tokenizer, n)
+        prepared = PreparedDocument(ids, [(config.summary_instruction, question, None)])
+        shell = DocumentResult("bench", "-", n)
+        full = runner.prefill(prepared, shell, press=nestedkv.NoPress())
+        whole_s = shell.prefill_s
+        presses = {
+            "no_press": nestedkv.NoPress(),
+            f"whole budget {budget}": nestedkv.NestedKVPress(budget=budget),
+            f"whole r={ratio}": nestedkv.NestedKVPress(compression_ratio=ratio),
+            f"whole r={ratio} adaptive": nestedkv.NestedKVPress(compression_ratio=ratio, head_budget="adaptive"),
+        }
+        for label, press in presses.items():
+            res = DocumentResult("bench", "-", n, peak_prefill_bytes=shell.peak_prefill_bytes,
+                                 peak_kv_prefill_bytes=shell.peak_kv_prefill_bytes)
+            mx.reset_peak_memory()
+            finish(label, n, nestedkv.clone(full, press), res, whole_s)
+        del full
+        for label, press in {f"streaming budget {budget}": nestedkv.NestedKVPress(budget=budget, prefill="streaming"),
+                             f"streaming r={ratio}": nestedkv.NestedKVPress(compression_ratio=ratio,
+                                                                           prefill="streaming")}.items():
+            res = DocumentResult("bench", "-", n)
+            t0 = time.perf_counter()
+            cache = runner.prefill(prepared, res, press=press)
+            finish(label, n, cache, res, time.perf_counter() - t0)
+        mx.clear_cache()
+    return rows
+
+
+def to_markdown(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == mode]
+        a.plot([r["tokens"] for r in rs], [r["peak_kv_prefill_mib"] for r in rs], marker="o", label=mode)
+        b.plot([r["tokens"] for r in rs], [r["prefill_s"] for r in rs], marker="o", label=mode)
+    a.set(xlabel="context tokens", ylabel="peak K/V MiB while prefilling", title="peak KV memory")
+    b.set(xlabel="context tokens", ylabel="prefill + compress seconds", title="prefill time")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(model: str, lengths: list[int], budget: int, ratio: float, chunk: int, new_tokens: int,
+         out: str) -> list[dict]:
+    rows = measure(model, lengths, budget, ratio, chunk, new_tokens)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "memory.json").write_text(json.dumps(rows, indent=2))
+    (folder / "memory.md").write_text(to_markdown(rows))
+    plot(rows, folder / "memory.png")
+    print(to_markdown(rows))
+    print(f"wrote {folder / 'memory.md'}, {folder / 'memory.json'} and {folder / 'memory.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--compression-ratio", type=float, default=0.75)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--out", default="reports/memory")
+    a = ap.parse_args()
+    main(a.model, [int(x) for x in a.lengths.split(",")], a.budget, a.compression_ratio, a.chunk, a.new_tokens,
+         a.out)
