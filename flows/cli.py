@@ -23,7 +23,8 @@ console = Console(stderr=True)
 # Tables go to stdout; piped output gets a wide console instead of rich's 80-column default.
 out_console = Console(width=None if sys.stdout.isatty() else 160)
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="smollm2-135m, an mlx-lm directory, a .gguf file or a HF repo id")
-DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file")
+DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file, or a lake: ducklake:sqlite:PATH, ducklake:postgres:CONNINFO")
+DataPathOpt = typer.Option(None, "--data-path", help="folder (shared by every worker) for a new lake's Parquet files")
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
@@ -177,15 +178,22 @@ def print_summary(summary, db: str) -> None:
 @press_options()
 @generation_options()
 def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
+        data_path: Optional[str] = DataPathOpt,
+        pool: Optional[str] = typer.Option(None, "--pool", help="fan out over this process work pool (needs a lake "
+                                           "--db); workers: prefect worker start --pool POOL --limit 1"),
+        shards: Optional[int] = typer.Option(None, "--shards", help="with --pool: this many shards"),
+        shard_size: Optional[int] = typer.Option(None, "--shard-size", help="with --pool: documents per shard"),
         press: dict = None, generation: dict = None):
     """Run a batch through the Prefect flow and store outputs and per-layer KV memory (several press
     values: every combination, one run each)."""
+    if pool or shards is not None or shard_size is not None:
+        return run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation)
     from flows.batch import FLOWS, budget_sweep
 
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
-    check_before_flow(input, model, db, options.wait)
+    check_before_flow(input, model, db, options.wait, data_path)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
         if len(configs) == 1:
@@ -197,6 +205,52 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
             summary = budget_sweep(input=input, **sweep_parameters(configs), task=task, model=model, db=db,
                                    reference=False, evaluate=False, options=options, hooks=hooks)
     print_summary(summary, db)
+
+
+def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation) -> None:
+    """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
+    summary from the store."""
+    from flows.deploy import ServerUnavailable
+    from flows.shards import ShardError, fan_out, require_lake
+
+    if not pool:
+        fail("--shards/--shard-size fan out over a work pool: give --pool NAME")
+    try:
+        require_lake(db)
+    except ShardError as exc:
+        fail(str(exc))
+    configs, options = build(task, model, press, generation)
+    if len(configs) != 1:
+        fail("a fanned-out batch runs one press configuration: give one value per press option")
+    check_before_flow(input, model, db, options.wait, data_path)  # creates the lake with its data path
+    with user_errors(), progress_bars() as bars:
+        bar = {}
+
+        def on_progress(shard_list):
+            for s in shard_list:
+                state = "done before" if s.skipped else s.state.lower() + (f", attempt {s.attempt}" if s.attempt else "")
+                if s.index not in bar:
+                    bar[s.index] = bars.add_task("", total=len(s.docs))
+                bars.update(bar[s.index], completed=s.done, description=markup_safe(f"{s.label} ({state})"))
+
+        try:
+            result = fan_out(input, configs[0], db, pool, options, shards=shards, shard_size=shard_size,
+                             data_path=data_path, on_progress=on_progress, log=lambda m: say(m, style="yellow"))
+        except (ShardError, ServerUnavailable) as exc:
+            fail(str(exc))
+    import pyarrow as pa
+
+    for err in result.input_errors:
+        say(f"skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}",
+            style="yellow")
+    before = sum(s.skipped for s in result.shards)
+    say(f"{len(result.shards)} shards ({before} done before), {len(result.run_ids)} runs, {result.n_ok} of "
+        f"{result.n_documents} documents done, {result.n_failed} failed, {len(result.input_errors)} bad rows, "
+        f"{result.wall_s:.0f} s -> {db}")
+    if result.savings:
+        print_table(pa.Table.from_pylist(result.savings), title="memory savings")
+    if result.n_ok < result.n_documents:
+        raise typer.Exit(1)
 
 
 def sweep_parameters(configs) -> dict:
@@ -240,6 +294,7 @@ def serve(
     task: str = typer.Option("summarize", "--task", help="summarize (flow summarize-batch) or qa (qa-batch)"),
     model: str = ModelOpt,
     db: str = DbOpt,
+    data_path: Optional[str] = DataPathOpt,
     pool: Optional[str] = typer.Option(None, "--pool", help="register in this process work pool instead of "
                                        "serving here; run it with `prefect worker start --pool POOL --limit 1`"),
     press: dict = None,
@@ -258,6 +313,8 @@ def serve(
     try:
         check_server()  # first: without a server nothing else matters
         if pool:
+            if data_path:
+                check_before_flow(input, c.model, db, options.wait, data_path)  # creates the lake
             deployment_id = deploy_batch(c.task, pool=pool, **params)
             say(f"deployment {c.task}-batch/{name} ({deployment_id}) is in work pool {pool!r}; start one "
                 f"worker per machine: prefect worker start --pool {pool} --limit 1")
@@ -283,7 +340,7 @@ def check_input_early(input: str) -> None:
         check_input(input, pages=True)
 
 
-def check_before_flow(input: str, model: str, db: str, wait: float = 0.0) -> None:
+def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None) -> None:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
     leaves nothing behind: the input's pages, the model reference, and that the store opens for writing."""
     from pipeline.models import check_model
@@ -292,7 +349,7 @@ def check_before_flow(input: str, model: str, db: str, wait: float = 0.0) -> Non
     check_input_early(input)
     with user_errors():
         check_model(model)
-        with Store(db, wait_s=wait, on_wait=lambda waited, total: say(
+        with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass
 
@@ -372,19 +429,39 @@ def models():
 
 @app.command()
 def bench(
+    what: str = typer.Argument("kernels", help="kernels (scoring, compression, decode, GEMM), memory (peak KV at "
+                               "growing lengths), or throughput (documents per hour, batched, prefill cache)"),
     model: str = ModelOpt,
-    context: int = typer.Option(4096, "--context"),
-    new_tokens: int = typer.Option(32, "--new-tokens"),
-    out: Optional[str] = typer.Option(None, "--out", help="also write the figures as JSON"),
+    context: int = typer.Option(4096, "--context", help="kernels: context tokens"),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
+    lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="memory: context lengths"),
+    budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
+    compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory and throughput"),
+    input: str = typer.Option(DEFAULT_INPUT, "--input", help="throughput: the batch"),
+    batch_size: int = typer.Option(5, "--batch-size", help="throughput: documents decoded together"),
+    out: Optional[str] = typer.Option(None, "--out", help="also write the figures (JSON; memory: a folder with "
+                                      "a table and a PNG plot)"),
 ):
-    """Benchmark scoring, compression and decode speed, and memory kept per layer."""
-    from nestedkv import bench as nbench
-    from pipeline.models import model_dir
-
+    """Benchmarks: kernels (default), memory, throughput."""
     with user_errors():
-        path = model_dir(model)
-    args = ["--model", str(path), "--context", str(context), "--new-tokens", str(new_tokens)]
-    nbench.main(args + (["--out", out] if out else []))
+        if what == "kernels":
+            from nestedkv import bench as nbench
+            from pipeline.models import model_dir
+
+            args = ["--model", str(model_dir(model)), "--context", str(context), "--new-tokens", str(new_tokens)]
+            nbench.main(args + (["--out", out] if out else []))
+        elif what == "memory":
+            from pipeline import bench_memory
+
+            bench_memory.main(model, split_list(lengths, int, "--lengths"), budget, compression_ratio, 512,
+                              new_tokens, out or "reports/memory")
+        elif what == "throughput":
+            from pipeline import bench_throughput
+
+            bench_throughput.main(["--input", input, "--model", model, "--batch-size", str(batch_size),
+                                   "--compression-ratio", str(compression_ratio)] + (["--out", out] if out else []))
+        else:
+            fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory or throughput")
 
 
 def main() -> None:
