@@ -103,7 +103,7 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
 
 
 def _batch(task_name: Task, input: str, press: str, compression_ratio: float, budget: Optional[int],
-           head_budget: HeadBudget, prefill: PrefillMode, press_params: Optional[dict], model: str, db: str,
+           head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str, db: str,
            options: Optional[BatchOptions], hooks: Optional[Hooks]) -> Summary:
     options = options or BatchOptions()
     config = RunConfig(task=task_name, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
@@ -121,7 +121,7 @@ def _batch_flow(task_name: Task, doc: str):
         press: str = "nestedkv",
         compression_ratio: float = 0.75,
         budget: Optional[int] = None,
-        head_budget: HeadBudget = "uniform",
+        head_budget: Optional[HeadBudget] = None,
         prefill: PrefillMode = "whole",
         press_params: Optional[dict[str, Any]] = None,
         model: str = DEFAULT_MODEL,
@@ -149,7 +149,7 @@ def budget_sweep(
     input: str = DEFAULT_INPUT,
     presses: list[str] = ["nestedkv", "keydiff"],
     compression_ratios: list[float] = [0.5, 0.75, 0.9],
-    head_budgets: list[HeadBudget] = ["uniform"],
+    head_budgets: list[Optional[HeadBudget]] = [None],
     budgets: Optional[list[int]] = None,
     prefills: list[PrefillMode] = ["whole"],
     press_params: Optional[dict[str, Any]] = None,

@@ -108,10 +108,11 @@ def check_configs(configs: Iterable[RunConfig]) -> list[RunConfig]:
 
 
 def make_configs(base: RunConfig, presses: Sequence[str], compression_ratios: Sequence[float] = (),
-                 budgets: Sequence[int] = (), head_budgets: Sequence[str] = ("uniform",),
+                 budgets: Sequence[int] = (), head_budgets: Sequence[Optional[str]] = (None,),
                  prefills: Sequence[str] = ("whole",), press_params: Optional[dict] = None) -> list[RunConfig]:
     """Every press x size x head budget x prefill mode (sizes: the ``budgets`` when given, else the
-    ratios); ``no_press`` once. Validation errors name the bad value."""
+    ratios; head budget None: each press's default); ``no_press`` once. Validation errors name the bad
+    value."""
     sizes = [{"budget": int(b), "compression_ratio": 0.0} for b in budgets] if budgets else [
         {"compression_ratio": float(r), "budget": None} for r in compression_ratios]
     if not sizes and any(p != REFERENCE_PRESS for p in presses):
