@@ -61,13 +61,15 @@ def test_nestedkv_keeps_one_quarter_of_every_layer(env):
     nkv(env, "run", "--input", env["batch"], "--task", "qa", "--press-name", "nestedkv", "--compression_ratio",
         str(r), "--db", db, "--max-new-tokens", "4")
     with Store(db, read_only=True) as store:
-        layers = store.query("SELECT layer, tokens_seen, kept_min, kept_max, bytes_kept, bytes_full, bytes_resident "
-                             "FROM layer_memory ORDER BY layer").to_pylist()
+        layers = store.query("SELECT layer, tokens_seen, kept_min, kept_max, kept_mean, bytes_kept, bytes_full, "
+                             "bytes_resident, peak_prefill_kv_bytes FROM layer_memory ORDER BY layer").to_pylist()
         savings = store.query("SELECT kept_share FROM memory_savings").to_pylist()
     assert len(layers) == 30
     for lm in layers:
         n = lm["tokens_seen"]
-        assert lm["kept_min"] == lm["kept_max"] == int(n * (1 - r))
+        # adaptive by default: heads keep different counts, a layer keeps 1 - r of its rows, unpadded
+        assert lm["kept_mean"] == int(n * (1 - r)) and lm["kept_min"] <= lm["kept_mean"] <= lm["kept_max"]
         assert lm["bytes_kept"] / lm["bytes_full"] == pytest.approx(1 - r, abs=1 / n)
         assert lm["bytes_resident"] == lm["bytes_kept"]
+        assert lm["peak_prefill_kv_bytes"] >= lm["bytes_full"]  # the whole context was held while prefilling
     assert savings[0]["kept_share"] == pytest.approx(1 - r, abs=0.001)
