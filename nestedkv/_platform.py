@@ -8,15 +8,99 @@ import os
 import platform
 import sys
 import warnings
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
+# What OpenBLAS's SKYLAKEX kernels execute; Xeon Phi has avx512f without bw/dq/vl.
+AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+AVX2 = frozenset({"avx2", "fma"})
+ZEN5_FAMILY = 0x1A  # Debian's OpenBLAS 0.3.21 knows AMD families up to 0x19 (Zen 3/4)
 
 _done = False
+_state: dict = {"library": None, "coretype_set": None}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The parts of /proc/cpuinfo that decide the OpenBLAS kernel."""
+
+    vendor: str = ""  # GenuineIntel, AuthenticAMD, HygonGenuine, ...
+    family: Optional[int] = None
+    flags: frozenset = frozenset()
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """The first processor's vendor, family and flags from /proc/cpuinfo text (x86 layout)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # end of the first processor's block
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    family = fields.get("cpu family", "")
+    return CpuInfo(
+        vendor=fields.get("vendor_id", ""),
+        family=int(family) if family.isdigit() else None,
+        flags=frozenset(fields.get("flags", "").split()),
+    )
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> CpuInfo:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return parse_cpuinfo(f.read())
+    except OSError:
+        return CpuInfo()
+
+
+def openblas_coretype(cpu: CpuInfo, env: Mapping[str, str]) -> Optional[str]:
+    """The ``OPENBLAS_CORETYPE`` to set before loading Debian's OpenBLAS 0.3.21, or None to
+    leave its own detection alone.
+
+    0.3.21 does not know recent CPUs (Sapphire Rapids and later Intel, AMD Zen 5) and falls
+    back to a generic kernel, about 6x slower. Only kernel names 0.3.21 has are returned (an
+    unknown name also means the generic kernel), and only ones whose fp32 GEMM is the best that
+    version has for the CPU: SKYLAKEX for full AVX-512, HASWELL/ZEN for AVX2.
+    A user's own ``OPENBLAS_CORETYPE`` always wins.
+    """
+    if CORETYPE_ENV in env:
+        return None
+    avx512 = AVX512 <= cpu.flags
+    avx2 = AVX2 <= cpu.flags
+    if cpu.vendor == "GenuineIntel":
+        if avx512:
+            return "SKYLAKEX"
+        return "HASWELL" if avx2 else None
+    if cpu.vendor in ("AuthenticAMD", "HygonGenuine"):
+        # Zen 1-4 are detected natively (measured: Zen 4 EPYC -> Cooperlake, same GEMM speed
+        # as a forced SKYLAKEX); newer families are not.
+        if cpu.family is None or cpu.family < ZEN5_FAMILY:
+            return None
+        if avx512:
+            return "SKYLAKEX"
+        return "ZEN" if avx2 else None
+    return None
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 def load_openblas() -> bool:
     """On Linux, load the system OpenBLAS globally so mlx's CPU backend uses it.
 
     The ``mlx-cpu`` wheel ships a slow reference BLAS; with Debian's ``libopenblas0-pthread``
-    loaded first, fp32 matmuls are about 40x faster. Returns True when OpenBLAS was loaded.
+    loaded first, fp32 matmuls are about 40x faster. On x86_64 the OpenBLAS kernel is chosen
+    from the CPU's flags when that OpenBLAS would misdetect it (``openblas_coretype``); the
+    variable is set only while the library loads. Returns True when OpenBLAS was loaded.
     Does nothing elsewhere (Metal on macOS needs no BLAS) or when ``NKV_NO_OPENBLAS=1``.
     """
     global _done
@@ -40,5 +124,44 @@ def load_openblas() -> bool:
             stacklevel=3,
         )
         return False
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    coretype = None
+    if platform.machine() in ("x86_64", "AMD64"):
+        coretype = openblas_coretype(read_cpuinfo(), os.environ)
+    if coretype is None:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    else:
+        # OpenBLAS reads the variable once, while it loads; unset it afterwards so that child
+        # processes and other BLAS libraries (numpy's own) decide for themselves.
+        os.environ[CORETYPE_ENV] = coretype
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        finally:
+            del os.environ[CORETYPE_ENV]
+    _state.update(library=path, coretype_set=coretype)
     return True
+
+
+def blas_info() -> dict:
+    """Which BLAS mlx's CPU backend uses: ``library``, ``corename`` (the OpenBLAS kernel in use),
+    ``config``, ``coretype_set`` (what ``load_openblas`` chose; None = OpenBLAS's own detection
+    or the user's ``OPENBLAS_CORETYPE``) and ``coretype_env`` (the user's variable)."""
+    info = {
+        "library": _state["library"],
+        "corename": None,
+        "config": None,
+        "coretype_set": _state["coretype_set"],
+        "coretype_env": os.environ.get(CORETYPE_ENV),
+    }
+    if platform.system() == "Darwin":
+        info["library"] = "Accelerate"
+        return info
+    if info["library"] is None:
+        info["library"] = "mlx's bundled reference BLAS"
+        return info
+    lib = ctypes.CDLL(info["library"])
+    for key, fn in (("corename", "openblas_get_corename"), ("config", "openblas_get_config")):
+        f = getattr(lib, fn, None)
+        if f is not None:
+            f.restype = ctypes.c_char_p
+            info[key] = f().decode(errors="replace").strip()
+    return info

@@ -1,0 +1,177 @@
+"""OpenBLAS kernel choice (pure, no hardware needed) and what loading it does (in subprocesses)."""
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import ctypes.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nestedkv import _platform as P
+from nestedkv import bench
+
+SPR = P.CpuInfo("GenuineIntel", 6, P.AVX512 | P.AVX2 | {"avx512_bf16", "amx_tile", "sse4_2"})
+SKYLAKE_CLIENT = P.CpuInfo("GenuineIntel", 6, P.AVX2 | {"avx", "sse4_2"})
+KNL = P.CpuInfo("GenuineIntel", 6, P.AVX2 | {"avx512f", "avx512cd", "avx512er"})  # no bw/dq/vl
+ZEN3 = P.CpuInfo("AuthenticAMD", 25, P.AVX2)
+ZEN4 = P.CpuInfo("AuthenticAMD", 25, P.AVX512 | P.AVX2 | {"avx512_bf16"})
+ZEN5 = P.CpuInfo("AuthenticAMD", 26, P.AVX512 | P.AVX2 | {"avx512_bf16"})
+ZEN5_NO512 = P.CpuInfo("AuthenticAMD", 26, P.AVX2)
+OLD_INTEL = P.CpuInfo("GenuineIntel", 6, frozenset({"sse4_2", "avx"}))
+UNKNOWN_FAMILY = P.CpuInfo("AuthenticAMD", None, P.AVX512 | P.AVX2)
+VIA = P.CpuInfo("CentaurHauls", 6, P.AVX2)
+
+
+@pytest.mark.parametrize(
+    "cpu,expected",
+    [
+        (SPR, "SKYLAKEX"),
+        (SKYLAKE_CLIENT, "HASWELL"),
+        (KNL, "HASWELL"),
+        (ZEN3, None),
+        (ZEN4, None),
+        (ZEN5, "SKYLAKEX"),
+        (ZEN5_NO512, "ZEN"),
+        (OLD_INTEL, None),
+        (UNKNOWN_FAMILY, None),
+        (VIA, None),
+        (P.CpuInfo(), None),
+    ],
+    ids=["sapphire-rapids", "avx2-intel", "xeon-phi", "zen3", "zen4", "zen5", "zen5-no512", "old-intel",
+         "amd-no-family", "via", "nothing-known"],
+)
+def test_coretype_follows_the_cpu(cpu, expected):
+    assert P.openblas_coretype(cpu, {}) == expected
+
+
+@pytest.mark.parametrize("value", ["HASWELL", "", "prescott"])
+def test_users_coretype_always_wins(value):
+    assert P.openblas_coretype(SPR, {"OPENBLAS_CORETYPE": value}) is None
+    assert P.openblas_coretype(SPR, {"OTHER": "1"}) == "SKYLAKEX"
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+flags\t\t: fpu
+"""
+
+
+def test_parse_cpuinfo_reads_the_first_processor():
+    cpu = P.parse_cpuinfo(CPUINFO)
+    assert cpu == P.CpuInfo("AuthenticAMD", 25, P.AVX512 | P.AVX2 | {"fpu", "sse", "avx512_bf16"})
+    assert P.parse_cpuinfo("") == P.CpuInfo()
+    assert P.parse_cpuinfo("vendor_id : X\ncpu family : ?\n").family is None
+
+
+def test_read_cpuinfo_of_a_missing_file_is_empty(tmp_path):
+    assert P.read_cpuinfo(str(tmp_path / "none")) == P.CpuInfo()
+
+
+# -- loading, in a fresh interpreter (OpenBLAS reads the variable once, when it loads) -----------
+needs_openblas = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64" or ctypes.util.find_library("openblas") is None,
+    reason="needs Linux x86_64 with a system OpenBLAS",
+)
+
+CHILD = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("nkv_platform", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+sys.modules["nkv_platform"] = m  # dataclasses look their module up
+spec.loader.exec_module(m)
+if sys.argv[2] == "spr":
+    m.read_cpuinfo = lambda path="/proc/cpuinfo": m.CpuInfo("GenuineIntel", 6, m.AVX512 | m.AVX2)
+loaded = m.load_openblas()
+print(json.dumps({"loaded": loaded, "env_after": os.environ.get("OPENBLAS_CORETYPE"), **m.blas_info()}))
+"""
+
+
+def _child(cpu: str, env: dict) -> dict:
+    path = Path(P.__file__)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), cpu], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_openblas
+def test_misdetected_cpu_gets_the_kernel_only_while_loading():
+    env = {k: v for k, v in os.environ.items() if k != "NKV_NO_OPENBLAS"}
+    got = _child("spr", env)
+    assert got["loaded"]
+    user = os.environ.get("OPENBLAS_CORETYPE")
+    if user is None:
+        assert got["coretype_set"] == "SKYLAKEX"
+        assert got["env_after"] is None  # children and numpy's OpenBLAS decide for themselves
+        if "DYNAMIC_ARCH" in (got["config"] or ""):
+            assert got["corename"].upper() == "SKYLAKEX"
+    else:  # this machine's own setting is left alone
+        assert got["coretype_set"] is None and got["env_after"] == user
+
+
+@needs_openblas
+def test_users_variable_is_used_and_kept():
+    env = {k: v for k, v in os.environ.items() if k != "NKV_NO_OPENBLAS"}
+    env["OPENBLAS_CORETYPE"] = "Haswell"
+    got = _child("spr", env)
+    assert got["loaded"] and got["coretype_set"] is None and got["env_after"] == "Haswell"
+    assert got["coretype_env"] == "Haswell"
+    if "DYNAMIC_ARCH" in (got["config"] or ""):
+        assert got["corename"] == "Haswell"
+
+
+@needs_openblas
+def test_opt_out_loads_nothing():
+    env = dict(os.environ, NKV_NO_OPENBLAS="1")
+    got = _child("spr", env)
+    assert not got["loaded"] and got["coretype_set"] is None
+    assert got["library"] == "mlx's bundled reference BLAS"
+
+
+# -- bench -------------------------------------------------------------------------------------
+def test_gemm_gflops_is_a_positive_rate():
+    assert bench.gemm_gflops(n=64, repeats=2) > 0
+
+
+def test_expected_gflops_floor():
+    assert bench.expected_gflops("x86_64", SPR.flags, 2) == 100.0
+    assert bench.expected_gflops("x86_64", SKYLAKE_CLIENT.flags, 4) == 100.0
+    assert bench.expected_gflops("x86_64", OLD_INTEL.flags, 2) is None
+    assert bench.expected_gflops("arm64", SPR.flags, 2) is None
+
+
+def test_gemm_warning_only_below_the_floor():
+    assert bench.gemm_warning(36.0, 100.0).startswith("WARNING: fp32 GEMM runs at 36 GFLOP/s")
+    assert "OPENBLAS_CORETYPE" in bench.gemm_warning(36.0, 100.0)
+    assert bench.gemm_warning(239.0, 100.0) is None
+    assert bench.gemm_warning(5.0, None) is None
+
+
+def test_report_shows_the_blas_and_the_warning():
+    blas = {
+        "gemm_n": 2048, "gemm_gflops": 36.0, "library": "libopenblas.so.0", "corename": "Prescott",
+        "config": "", "coretype_set": None, "coretype_env": None, "floor_gflops": 100.0,
+        "warning": bench.gemm_warning(36.0, 100.0),
+    }
+    out = {"device": "Device(cpu, 0)", "mlx": "x", "repeats": 1, "blas": blas,
+           "scoring": [{"method": "keydiff", "n": 8, "seconds": 0.001}]}
+    text = bench.report(out)
+    assert "BLAS libopenblas.so.0  kernel Prescott (detected by OpenBLAS)" in text
+    assert "36.0 GFLOP/s  (expected >= 100)" in text and "WARNING" in text
+    blas.update(coretype_set="SKYLAKEX", corename="SkylakeX", gemm_gflops=239.0, warning=None)
+    text = bench.report(out)
+    assert "SkylakeX (OPENBLAS_CORETYPE=SKYLAKEX set by nestedkv)" in text and "WARNING" not in text
