@@ -11,6 +11,8 @@ import math
 
 import mlx.core as mx
 
+from nestedkv._platform import cpu_cores
+
 EPS = 1e-6
 
 # NestedKV defaults (arXiv:2605.26678, Appendix A).
@@ -23,6 +25,11 @@ BETA = 3.0  # multiplies the discriminative gap inside the mixing softmax
 TAIL = 0.10  # top/bottom share for the discriminative gap
 TAU = 0.60  # surprise-gate threshold on min-max-normalized, mean-centred surprise
 KAPPA = 10.0  # surprise-gate sharpness
+
+MAX_STREAMS = 4  # CPU streams (threads) NestedKV scoring spreads its heads over
+PARALLEL_MIN_N = 1024  # shorter contexts are scored on one stream (per-op overhead dominates)
+CHUNK_BYTES = 16 * 2**20  # fp32 keys scored at once on the CPU (see head_plan)
+_STREAMS: list = []
 
 
 def check_keys(keys: mx.array) -> None:
@@ -65,45 +72,121 @@ def stable_cosine(k_unit: mx.array) -> mx.array:
     return _cos(dots, mx.linalg.norm(total, axis=-1))
 
 
-def block_cosine(k_unit: mx.array, block: int) -> mx.array:
-    """cos(k_i, mean of the unit keys in i's contiguous block); the last block may be shorter."""
+def _block_dots(k_unit: mx.array, block: int) -> mx.array:
+    # Whole blocks only (N a multiple of block): one matvec per block.
     B, H, N, D = k_unit.shape
-    n_blocks = -(-N // block)
-    pad = n_blocks * block - N
-    padded = mx.pad(k_unit, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else k_unit
-    blocks = padded.reshape(B, H, n_blocks, block, D)
+    blocks = k_unit.reshape(B, H, N // block, block, D)
     sums = mx.sum(blocks, axis=3, keepdims=True)  # zero padding leaves the sums exact
     dots = (blocks @ sums.swapaxes(-1, -2))[..., 0]  # [B,H,nb,block]
-    cos = _cos(dots, mx.linalg.norm(sums, axis=-1))
-    return cos.reshape(B, H, n_blocks * block)[:, :, :N]
+    return _cos(dots, mx.linalg.norm(sums, axis=-1)).reshape(B, H, N)
+
+
+def block_cosine(k_unit: mx.array, block: int) -> mx.array:
+    """cos(k_i, mean of the unit keys in i's contiguous block); the last block may be shorter."""
+    N = k_unit.shape[2]
+    whole = (N // block) * block
+    if whole == N:
+        return _block_dots(k_unit, block)
+    # Only the short last block is zero-padded (not a padded copy of all keys); at full block
+    # length its matvec has the same shape, and so the same rounding, as the others.
+    last = mx.pad(k_unit[:, :, whole:], [(0, 0), (0, 0), (0, whole + block - N), (0, 0)])
+    last = _block_dots(last, block)[:, :, : N - whole]
+    if whole == 0:
+        return last
+    return mx.concatenate([_block_dots(k_unit[:, :, :whole], block), last], axis=2)
 
 
 def window_cosine(k_unit: mx.array, window: int) -> mx.array:
     """cos(k_i, mean of the unit keys in the trailing window that includes i itself)."""
     N = k_unit.shape[2]
     sums = mx.cumsum(k_unit, axis=2)
+    # Window sum = prefix sum minus the prefix sum `window` rows earlier (none for the first rows),
+    # without padding a shifted copy. The arithmetic is exactly the earlier version's, so scores
+    # stay bit-identical: another fp32 order shifts them enough at 32k tokens to change selections.
+    parts = [(k_unit[:, :, :window], sums[:, :, :window] * 1.0)]  # a contiguous copy, reduced as before
     if N > window:
-        sums = sums - mx.pad(sums[:, :, : N - window], [(0, 0), (0, 0), (window, 0), (0, 0)])
-    return _cos(mx.sum(k_unit * sums, axis=-1), mx.linalg.norm(sums, axis=-1))
+        parts.append((k_unit[:, :, window:], sums[:, :, window:] - sums[:, :, : N - window]))
+    cos = [_cos(mx.sum(k * s, axis=-1), mx.linalg.norm(s, axis=-1)) for k, s in parts]
+    return cos[0] if len(cos) == 1 else mx.concatenate(cos, axis=2)
 
 
-def scale_anomalies(keys: mx.array, window: int = WINDOW, block: int | None = None) -> mx.array:
-    """Min-max-normalized anomalies on the stable, episodic and current scales: ``[B, H, N, 3]``."""
+def _scale_rows(keys: mx.array, window: int, block: int | None) -> mx.array:
+    # Min-max-normalized anomalies with the scale axis before N: [B, H, 3, N], so every
+    # per-scale statistic below reduces along contiguous memory.
     check_keys(keys)
     k = _unit(keys.astype(mx.float32))
     N = k.shape[2]
     raw = -mx.stack(
-        [stable_cosine(k), block_cosine(k, block or block_size(N)), window_cosine(k, window)], axis=-1
+        [stable_cosine(k), block_cosine(k, block or block_size(N)), window_cosine(k, window)], axis=2
     )
-    return _minmax(raw, axis=2)
+    return _minmax(raw, axis=-1)
+
+
+def scale_anomalies(keys: mx.array, window: int = WINDOW, block: int | None = None) -> mx.array:
+    """Min-max-normalized anomalies on the stable, episodic and current scales: ``[B, H, N, 3]``."""
+    return _scale_rows(keys, window, block).swapaxes(2, 3)
+
+
+def _tail_count(n: int, tail: float) -> int:
+    return max(1, math.ceil(tail * n))
+
+
+def _tail_gap_last(x: mx.array, tail: float) -> mx.array:
+    # topk (a partial selection) instead of sorting all N: only the two tails are needed. They are
+    # sorted and averaged as the earlier full-sort version did, so the gaps stay bit-identical.
+    q = _tail_count(x.shape[-1], tail)
+    top = mx.sort(mx.topk(x, q, axis=-1), axis=-1)
+    bottom = mx.sort(-mx.topk(-x, q, axis=-1), axis=-1)
+
+    def mean(v: mx.array) -> mx.array:
+        return mx.mean(mx.contiguous(v.swapaxes(-1, -2)), axis=-2)
+
+    return mean(top) - mean(bottom)
 
 
 def tail_gap(x: mx.array, tail: float = TAIL) -> mx.array:
     """Mean of the top ``tail`` share minus mean of the bottom share along axis 2."""
-    N = x.shape[2]
-    q = max(1, math.ceil(tail * N))
-    srt = mx.sort(x, axis=2)
-    return mx.mean(srt[:, :, N - q :], axis=2) - mx.mean(srt[:, :, :q], axis=2)
+    return _tail_gap_last(mx.moveaxis(x, 2, -1), tail)
+
+
+def _stream(i: int) -> mx.Stream:
+    while len(_STREAMS) <= i:
+        _STREAMS.append(mx.new_stream(mx.cpu))
+    return _STREAMS[i]
+
+
+def head_plan(B: int, H: int, N: int, D: int, cores: int) -> list[list[tuple[int, int]]]:
+    """How the CPU scores ``[B, H, N, D]`` keys: per stream, the head ranges it scores in turn.
+
+    Streams: mlx runs each CPU stream's element-wise work on one thread, so long contexts are
+    spread over up to ``MAX_STREAMS`` cores. Head ranges: each range's fp32 intermediates stay
+    within ``CHUNK_BYTES``, because mlx's CPU backend has no buffer cache and glibc maps every
+    buffer of 32 MiB or more afresh, so each one costs a page fault per 4 KiB.
+    """
+    streams = min(H, cores, MAX_STREAMS) if N >= PARALLEL_MIN_N else 1
+    per_range = max(1, CHUNK_BYTES // (B * N * D * 4))
+    bounds = [round(i * H / streams) for i in range(streams + 1)]
+    return [
+        [(lo, min(lo + per_range, bounds[i + 1])) for lo in range(bounds[i], bounds[i + 1], per_range)]
+        for i in range(streams)
+    ]
+
+
+def _by_heads(fn, keys: mx.array, plan: list[list[tuple[int, int]]] | None = None) -> mx.array:
+    """``fn(keys)`` for a per-head scorer, computed by head ranges on the CPU (see ``head_plan``);
+    every statistic is per head, so this changes no value. Elsewhere (Metal, CUDA) in one piece."""
+    if plan is None:
+        if mx.default_device() != mx.cpu:
+            return fn(keys)
+        plan = head_plan(*keys.shape, cpu_cores())
+    if len(plan) == 1:
+        parts = [fn(keys[:, lo:hi]) for lo, hi in plan[0]]
+    else:
+        parts = []
+        for i, ranges in enumerate(plan):
+            with mx.stream(_stream(i)):
+                parts += [fn(keys[:, lo:hi]) for lo, hi in ranges]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
 def nestedkv_scores(
@@ -124,22 +207,31 @@ def nestedkv_scores(
     ``block`` overrides the episodic block size (default ``clip(N // 32, 128, 256)``).
     ``use_gate=False`` and ``scales`` exist for ablations only; the defaults are the paper's method.
     """
-    at = scale_anomalies(keys, window=window, block=block)  # [B,H,N,3]
+    check_keys(keys)
+    if not any(scales):
+        raise ValueError("scales must enable at least one of (stable, episodic, current)")
+
+    def score(k: mx.array) -> mx.array:
+        return _nestedkv(k, window, block, prior, beta, tail, tau, kappa, use_gate, scales)
+
+    return _by_heads(score, keys)
+
+
+def _nestedkv(keys, window, block, prior, beta, tail, tau, kappa, use_gate, scales) -> mx.array:
+    at = _scale_rows(keys, window, block)  # [B,H,S,N]
     if not all(scales):
-        if not any(scales):
-            raise ValueError("scales must enable at least one of (stable, episodic, current)")
-        at = at[..., [i for i, on in enumerate(scales) if on]]
+        at = at[:, :, [i for i, on in enumerate(scales) if on]]
         prior = tuple(p for p, on in zip(prior, scales) if on)
-    gap = tail_gap(at, tail)  # [B,H,S]
+    gap = _tail_gap_last(at, tail)  # [B,H,S]
     logits = mx.log(mx.array(prior, dtype=mx.float32)) + beta * gap
     w = mx.softmax(logits, axis=-1)
-    blend = mx.sum(at * w[:, :, None, :], axis=-1)
-    if not use_gate or at.shape[-1] == 1:
+    blend = mx.sum(at * w[..., None], axis=2)
+    if not use_gate or at.shape[2] == 1:
         return blend
-    surprise = _minmax(mx.sqrt(mx.var(at, axis=-1)), axis=2)
+    surprise = _minmax(mx.sqrt(mx.var(at, axis=2)), axis=2)
     surprise = surprise - mx.mean(surprise, axis=2, keepdims=True)
     gate = mx.sigmoid(kappa * (surprise - tau))
-    return (1.0 - gate) * blend + gate * mx.max(at, axis=-1)
+    return (1.0 - gate) * blend + gate * mx.max(at, axis=2)
 
 
 def keydiff_scores(keys: mx.array) -> mx.array:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nestedkv import scoring
+from nestedkv.selection import select
 
 PRIOR = np.array([0.4, 0.4, 0.2])
 
@@ -274,3 +275,178 @@ def test_ceil_is_exact_for_tail_count():
     # Guard the float product 0.1 * N against rounding up past an exact multiple of ten.
     for n in range(1, 40000):
         assert max(1, math.ceil(scoring.TAIL * n)) == max(1, -(-n // 10)), n
+
+
+# -- the sort-based implementation before the speed-up (issue 13), kept verbatim as the reference --
+def old_unit(x):
+    return x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), scoring.EPS)
+
+
+def old_cos(dots, anchor_norms):
+    return dots / mx.maximum(anchor_norms, scoring.EPS)
+
+
+def old_minmax(x, axis=2):
+    lo = mx.min(x, axis=axis, keepdims=True)
+    span = mx.max(x, axis=axis, keepdims=True) - lo
+    return mx.where(span > scoring.EPS, (x - lo) / mx.maximum(span, scoring.EPS), 0.0)
+
+
+def old_stable_cosine(k_unit):
+    total = mx.sum(k_unit, axis=2, keepdims=True)
+    dots = (k_unit @ total.swapaxes(-1, -2))[..., 0]
+    return old_cos(dots, mx.linalg.norm(total, axis=-1))
+
+
+def old_block_cosine(k_unit, block):
+    B, H, N, D = k_unit.shape
+    n_blocks = -(-N // block)
+    pad = n_blocks * block - N
+    padded = mx.pad(k_unit, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else k_unit
+    blocks = padded.reshape(B, H, n_blocks, block, D)
+    sums = mx.sum(blocks, axis=3, keepdims=True)
+    dots = (blocks @ sums.swapaxes(-1, -2))[..., 0]
+    cos = old_cos(dots, mx.linalg.norm(sums, axis=-1))
+    return cos.reshape(B, H, n_blocks * block)[:, :, :N]
+
+
+def old_window_cosine(k_unit, window):
+    N = k_unit.shape[2]
+    sums = mx.cumsum(k_unit, axis=2)
+    if N > window:
+        sums = sums - mx.pad(sums[:, :, : N - window], [(0, 0), (0, 0), (window, 0), (0, 0)])
+    return old_cos(mx.sum(k_unit * sums, axis=-1), mx.linalg.norm(sums, axis=-1))
+
+
+def old_scale_anomalies(keys, window=64, block=None):
+    k = old_unit(keys.astype(mx.float32))
+    N = k.shape[2]
+    raw = -mx.stack(
+        [old_stable_cosine(k), old_block_cosine(k, block or scoring.block_size(N)), old_window_cosine(k, window)],
+        axis=-1,
+    )
+    return old_minmax(raw, axis=2)
+
+
+def old_tail_gap(x, tail=0.10):
+    N = x.shape[2]
+    q = max(1, math.ceil(tail * N))
+    srt = mx.sort(x, axis=2)
+    return mx.mean(srt[:, :, N - q :], axis=2) - mx.mean(srt[:, :, :q], axis=2)
+
+
+def old_nestedkv_scores(keys, *, window=64, block=None, prior=(0.4, 0.4, 0.2), beta=3.0, tail=0.10, tau=0.60,
+                        kappa=10.0, use_gate=True, scales=(True, True, True)):
+    at = old_scale_anomalies(keys, window=window, block=block)
+    if not all(scales):
+        at = at[..., [i for i, on in enumerate(scales) if on]]
+        prior = tuple(p for p, on in zip(prior, scales) if on)
+    gap = old_tail_gap(at, tail)
+    logits = mx.log(mx.array(prior, dtype=mx.float32)) + beta * gap
+    w = mx.softmax(logits, axis=-1)
+    blend = mx.sum(at * w[:, :, None, :], axis=-1)
+    if not use_gate or at.shape[-1] == 1:
+        return blend
+    surprise = old_minmax(mx.sqrt(mx.var(at, axis=-1)), axis=2)
+    surprise = surprise - mx.mean(surprise, axis=2, keepdims=True)
+    gate = mx.sigmoid(kappa * (surprise - tau))
+    return (1.0 - gate) * blend + gate * mx.max(at, axis=-1)
+
+
+def model_like_keys(shape, dtype, seed):
+    # Real keys share a direction per head and drift slowly along the sequence.
+    B, H, N, D = shape
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal(shape) + 0.7 * rng.standard_normal((B, H, 1, D))
+    k += 0.5 * np.cumsum(rng.standard_normal(shape), axis=2) / np.sqrt(np.arange(1, N + 1))[:, None]
+    return mx.array(k.astype(np.float32)).astype(dtype)
+
+
+SPEEDUP_SHAPES = [(2, 3, 5, 8), (1, 2, 64, 16), (2, 3, 65, 16), (1, 4, 700, 32), (1, 2, 4100, 64), (1, 8, 2048, 128)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", SPEEDUP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_selections_identical_to_the_sort_based_version(shape, dtype):
+    N = shape[2]
+    for seed, make in ((0, random_keys_of), (1, model_like_keys)):
+        keys = make(shape, dtype, seed)
+        new, old = scoring.nestedkv_scores(keys), old_nestedkv_scores(keys)
+        np.testing.assert_allclose(np.array(new), np.array(old), atol=2e-6)
+        if mx.default_device() == mx.cpu:  # same fp32 arithmetic: bit-identical (checked on CPU)
+            assert mx.array_equal(new, old).item()
+        for keep in {max(1, N // 4), max(1, N // 2), max(1, N - 1)}:
+            for hb in ("uniform", "adaptive"):
+                a, b = select(new, keep, hb), select(old, keep, hb)
+                assert mx.array_equal(a.indices, b.indices).item(), (shape, keep, hb, seed)
+                assert mx.array_equal(a.counts, b.counts).item()
+
+
+def random_keys_of(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal(shape) + 0.7 * rng.standard_normal(shape[:2] + (1, shape[3]))
+    return mx.array(k.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(block=7), dict(block=5000), dict(window=3), dict(window=5000), dict(use_gate=False),
+     dict(scales=(True, False, True)), dict(scales=(False, False, True)), dict(tail=0.3)],
+    ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()),
+)
+def test_options_match_the_sort_based_version(kwargs):
+    keys = model_like_keys((2, 3, 333, 16), mx.float32, 4)
+    new, old = scoring.nestedkv_scores(keys, **kwargs), old_nestedkv_scores(keys, **kwargs)
+    np.testing.assert_allclose(np.array(new), np.array(old), atol=2e-6)
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(new, old).item()
+
+
+def test_parts_match_the_sort_based_version():
+    keys = model_like_keys((2, 3, 333, 16), mx.float32, 5)
+    np.testing.assert_allclose(np.array(scoring.scale_anomalies(keys)), np.array(old_scale_anomalies(keys)), atol=2e-6)
+    at = scoring.scale_anomalies(keys)
+    np.testing.assert_allclose(np.array(scoring.tail_gap(at)), np.array(old_tail_gap(at)), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape,cores,plan",
+    [
+        ((1, 8, 512, 128), 2, [[(0, 8)]]),  # short: one stream, one piece
+        ((1, 8, 2048, 128), 2, [[(0, 4)], [(4, 8)]]),
+        ((1, 8, 8192, 128), 1, [[(0, 4), (4, 8)]]),  # 16 MiB pieces
+        ((1, 8, 32768, 128), 2, [[(0, 1), (1, 2), (2, 3), (3, 4)], [(4, 5), (5, 6), (6, 7), (7, 8)]]),
+        ((1, 3, 8192, 128), 16, [[(0, 1)], [(1, 2)], [(2, 3)]]),  # never more streams than heads
+        ((1, 8, 4096, 64), 16, [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]]),  # nor than MAX_STREAMS
+        ((4, 2, 65536, 128), 2, [[(0, 1)], [(1, 2)]]),  # a head larger than a piece stays whole
+    ],
+)
+def test_head_plan(shape, cores, plan):
+    assert scoring.head_plan(*shape, cores) == plan
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [[[(0, 8)]], [[(0, 4)], [(4, 8)]], [[(0, 1), (1, 3)], [(3, 8)]], [[(0, 3), (3, 5), (5, 8)]],
+     [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]]],
+)
+def test_scoring_by_head_ranges_changes_no_value(plan):
+    keys = model_like_keys((2, 8, 300, 16), mx.float32, 3)
+    whole = scoring.nestedkv_scores(keys)  # N < PARALLEL_MIN_N: one piece on the caller's stream
+
+    def score(k):
+        return scoring._nestedkv(k, 64, None, scoring.PRIOR, 3.0, 0.1, 0.6, 10.0, True, (True, True, True))
+
+    split = scoring._by_heads(score, keys, plan)
+    assert split.shape == whole.shape
+    assert mx.array_equal(split, whole).item()
+
+
+def test_long_context_scores_inside_another_stream():
+    # mlx-lm's generate runs the model (and so a cache's compression) on its own stream.
+    keys = model_like_keys((1, 4, scoring.PARALLEL_MIN_N + 10, 16), mx.float32, 7)
+    expected = old_nestedkv_scores(keys)
+    with mx.stream(mx.new_stream(mx.default_device())):
+        got = scoring.nestedkv_scores(keys)
+    mx.eval(got)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-6)
