@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from contextlib import contextmanager
 from typing import Optional
@@ -54,6 +55,42 @@ def markup_safe(text) -> str:
     return escape(plain(text))
 
 
+_LOG_CONTROL = {c: e for c, e in _CONTROL.items() if chr(c) not in "\n\t"}  # log lines may span lines
+
+
+class _PrintableLog(logging.Filter):
+    """Prefect's log lines quote doc_ids and paths from the input: their control characters shown escaped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        safe = msg.translate(_LOG_CONTROL)
+        if safe != msg:
+            record.msg, record.args = safe, None
+        return True
+
+
+def printable_prefect_logs() -> None:
+    """Put ``_PrintableLog`` on Prefect's console handlers (once Prefect is imported: its import makes them)."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
+        if not any(isinstance(f, _PrintableLog) for f in handler.filters):
+            handler.addFilter(_PrintableLog())
+
+
+_verbose = {"on": False}  # set by the global --verbose option
+
+
+@app.callback()
+def _global_options(verbose: bool = typer.Option(False, "--verbose", help="show the traceback of an error "
+                                                 "before its one-line message")):
+    _verbose["on"] = verbose
+
+
 @contextmanager
 def user_errors():
     """Bad input, a held database or an unloadable model end the command with one line, exit 2."""
@@ -64,6 +101,8 @@ def user_errors():
     try:
         yield
     except (InputError, StoreError, ModelLoadError) as exc:
+        if _verbose["on"]:
+            console.print_exception()
         fail(str(exc))
 
 
@@ -115,25 +154,38 @@ def invalid(exc: Exception) -> None:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                                             for e in exc.errors()))
+        # removeprefix: pydantic's wording for a validator's ValueError, noise to a user
+        fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
+                                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors()))
     fail(f"invalid options: {exc}")
+
+
+def press_grid(press: dict) -> dict:
+    """The press options as lists (the budget-sweep flow's parameters and ``make_configs``'s arguments);
+    an empty head budget means each press's default."""
+    from pipeline.config import parse_press_param
+
+    return {
+        "presses": split_list(press["press"], str, "--press"),
+        "compression_ratios": split_list(press["compression_ratio"], float, "--compression-ratio"),
+        "budgets": split_list(press["budget"], int, "--budget") or None,
+        "head_budgets": split_list(press["head_budget"], str, "--head-budget") or [None],
+        "prefills": split_list(press["prefill"], str, "--prefill") or ["whole"],
+        "press_params": dict(parse_press_param(p) for p in press["press_param"] or []),
+    }
 
 
 def build(task: str, model: str, press: dict, generation: dict):
     """The configurations (every combination of the press options) and the batch options."""
-    from pipeline.config import BatchOptions, parse_press_param
+    from pipeline.config import BatchOptions
     from pipeline.engine import make_configs
 
     try:
         options = BatchOptions(**generation)
-        params = dict(parse_press_param(p) for p in press["press_param"] or [])
+        grid = press_grid(press)
         base = RunConfig(task=task, model=model, **options.generation())
-        configs = make_configs(
-            base, split_list(press["press"], str, "--press"),
-            split_list(press["compression_ratio"], float, "--compression-ratio"),
-            split_list(press["budget"], int, "--budget"), split_list(press["head_budget"], str, "--head-budget"),
-            split_list(press["prefill"], str, "--prefill"), params)
+        configs = make_configs(base, grid["presses"], grid["compression_ratios"], grid["budgets"] or (),
+                               grid["head_budgets"], grid["prefills"], grid["press_params"])
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         invalid(exc)
     return configs, options
@@ -144,6 +196,7 @@ def batch_progress(configs_bar: bool = False):
     """Progress bars for documents, configurations and prefill chunks, as engine hooks."""
     from pipeline.engine import Hooks
 
+    printable_prefect_logs()
     with progress_bars() as bars:
         docs = bars.add_task("documents", total=None)
         cfgs = bars.add_task("configurations", total=None, visible=configs_bar)
@@ -202,7 +255,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
                                     budget=c.budget, head_budget=c.head_budget, prefill=c.prefill,
                                     press_params=c.press_params, model=c.model, db=db, options=options, hooks=hooks)
         else:
-            summary = budget_sweep(input=input, **sweep_parameters(configs), task=task, model=model, db=db,
+            summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                    reference=False, evaluate=False, options=options, hooks=hooks)
     print_summary(summary, db)
 
@@ -253,17 +306,6 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
         raise typer.Exit(1)
 
 
-def sweep_parameters(configs) -> dict:
-    """The budget-sweep flow's press lists that rebuild ``configs`` (every combination of them)."""
-    def values(field):
-        return list(dict.fromkeys(getattr(c, field) for c in configs if not c.is_reference))
-
-    budgets = [b for b in values("budget") if b is not None]
-    return {"presses": list(dict.fromkeys(c.press for c in configs)), "compression_ratios": values("compression_ratio"),
-            "budgets": budgets or None, "head_budgets": values("head_budget"), "prefills": values("prefill"),
-            "press_params": configs[-1].press_params}
-
-
 @app.command()
 @press_options(press="nestedkv,keydiff", compression_ratio="0.5,0.75,0.9")
 @generation_options()
@@ -279,7 +321,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
-        summary = budget_sweep(input=input, **sweep_parameters(configs), task=task, model=model, db=db,
+        summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                evaluate=evaluate, options=options, hooks=hooks)
     print_summary(summary, db)
 
@@ -313,8 +355,11 @@ def serve(
     try:
         check_server()  # first: without a server nothing else matters
         if pool:
-            if data_path:
-                check_before_flow(input, c.model, db, options.wait, data_path)  # creates the lake
+            if data_path:  # create the lake with its data path; the input lives where the workers run
+                from pipeline.store import Store
+
+                with user_errors(), Store(db, data_path=data_path):
+                    pass
             deployment_id = deploy_batch(c.task, pool=pool, **params)
             say(f"deployment {c.task}-batch/{name} ({deployment_id}) is in work pool {pool!r}; start one "
                 f"worker per machine: prefect worker start --pool {pool} --limit 1")
@@ -342,13 +387,15 @@ def check_input_early(input: str) -> None:
 
 def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None) -> None:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
-    leaves nothing behind: the input's pages, the model reference, and that the store opens for writing."""
-    from pipeline.models import check_model
+    leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
+    damaged file; the flow reuses this process's copy), and that the store opens for writing."""
+    from pipeline.models import check_model, load_model
     from pipeline.store import Store
 
     check_input_early(input)
     with user_errors():
-        check_model(model)
+        check_model(model)  # a bad reference fails before any loading
+        load_model(model)
         with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass
@@ -410,6 +457,58 @@ def report(
         rep = write_report(db, out)
     print_table(rep.table, title="quality against the uncompressed reference")
     say(f"wrote {rep.markdown_path} and {rep.plot_path}")
+
+
+@app.command()
+def suite(
+    size: str = typer.Option("standard", "--size", help="quick (1k, 1 per task), small (2k, 2), standard (2k/4k/8k, 2)"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="target context tokens, e.g. 2048,4096 (overrides "
+                                          "the size's)"),
+    per_task: Optional[int] = typer.Option(None, "--per-task", help="documents per task and length"),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated subset of the tasks (default: all)"),
+    seed: int = typer.Option(0, "--seed"),
+    model: str = ModelOpt,
+    db: str = typer.Option("suite.duckdb", "--db", help="DuckDB file"),
+    out: str = typer.Option("reports/suite", "--out", help="folder for suite.parquet, suite_report.md, frontier.png"),
+    press: str = typer.Option("nestedkv,keydiff,knorm,streaming_llm,random", "--press", help="methods ('' = "
+                              "calibration only)"),
+    compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio"),
+    head_budget: str = typer.Option("uniform,adaptive", "--head-budget"),
+    prefill: str = typer.Option("whole", "--prefill", help="whole and/or streaming (streaming prefills per "
+                                "configuration)"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    threshold: float = typer.Option(0.6, "--threshold", help="least uncompressed accuracy for a task x length "
+                                    "cell to enter the headline"),
+    all_tasks: bool = typer.Option(False, "--all-tasks", help="run the methods on cells below the threshold too"),
+    ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="NestedKV's per-scale variants on the "
+                                  "long documents"),
+    summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
+                                  "summaries are compared with the uncompressed one"),
+    long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
+                                  "headline, the ablation and the summaries"),
+):
+    """The synthetic long-context suite (RULER-style tasks on Austen's prose): generate, calibrate on the
+    uncompressed model, run the methods, report per task and the quality-memory frontier."""
+    from pipeline import suite as suite_mod
+    from pipeline.tasks import TASKS
+
+    try:
+        opts = suite_mod.SuiteOptions(
+            model=model, db=db, out=out, size=size, per_task=per_task, seed=seed,
+            lengths=tuple(split_list(lengths, int, "--lengths")) or None,
+            tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
+            presses=tuple(split_list(press, str, "--press")),
+            ratios=tuple(split_list(compression_ratio, float, "--compression-ratio")),
+            head_budgets=tuple(split_list(head_budget, str, "--head-budget")),
+            prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
+            threshold=threshold, all_tasks=all_tasks, ablation=ablation, summaries=summaries, long_from=long_from)
+        opts.configs()  # validate the press options before any work
+    except ValueError as exc:
+        invalid(exc)
+    with user_errors(), batch_progress(configs_bar=True) as hooks:
+        res = suite_mod.run_suite(opts, hooks=hooks, log=say)
+    out_console.print(res.markdown_path.read_text(encoding="utf-8"), markup=False, highlight=False)
+    say(f"wrote {res.markdown_path}" + (f" and {res.plot_path}" if res.plot_path else ""))
 
 
 @app.command()

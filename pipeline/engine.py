@@ -214,7 +214,8 @@ def open_plan(store, input: str, configs: Sequence[RunConfig], options: EngineOp
     refs = stored_reference_runs(store, probe.reference) if probe.reference else {}
     plan = Plan(str(input), configs, options, docs, errors, done, refs)
     for cfg in plan.configs:
-        if any(cfg in plan.todo(d) for d in docs):
+        # An input whose every row is bad still gets its runs: that is where its bad rows are recorded.
+        if any(cfg in plan.todo(d) for d in docs) or (errors and not docs):
             run_id = store.start_run(cfg, input)
             plan.run_ids[cfg.config_hash()] = run_id
             store.write_input_errors(run_id, errors)
