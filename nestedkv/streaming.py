@@ -29,35 +29,9 @@ _FEATURES = ("pos", "cos_e", "cos_c")
 EPS = scoring.EPS
 
 
-# Own copies of the small building blocks (scoring.py's internals are free to change shape for speed).
-def _unit(x: mx.array) -> mx.array:
-    return x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), EPS)
-
-
-def _cos(dots: mx.array, anchor_norms: mx.array) -> mx.array:
-    return dots / mx.maximum(anchor_norms, EPS)  # true cosine: anchors are sums of unit keys
-
-
-def block_cosine(k_unit: mx.array, block: int) -> mx.array:
-    """cos(k_i, sum of the unit keys of i's block); blocks start at row 0, the last one may be partial."""
-    B, H, N, D = k_unit.shape
-    n_blocks = -(-N // block)
-    pad = n_blocks * block - N
-    padded = mx.pad(k_unit, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else k_unit
-    blocks = padded.reshape(B, H, n_blocks, block, D)
-    sums = mx.sum(blocks, axis=3, keepdims=True)
-    dots = (blocks @ sums.swapaxes(-1, -2))[..., 0]
-    return _cos(dots, mx.linalg.norm(sums, axis=-1)).reshape(B, H, n_blocks * block)[:, :, :N]
-
-
-def window_cosine(k_unit: mx.array, window: int) -> mx.array:
-    """cos(k_i, sum of the unit keys in the trailing window that includes i); rows before ``window - 1``
-    see a shorter (prefix) window, so callers prepend the carried keys."""
-    N = k_unit.shape[2]
-    sums = mx.cumsum(k_unit, axis=2)
-    if N > window:
-        sums = sums - mx.pad(sums[:, :, : N - window], [(0, 0), (0, 0), (window, 0), (0, 0)])
-    return _cos(mx.sum(k_unit * sums, axis=-1), mx.linalg.norm(sums, axis=-1))
+# The same building blocks as whole-context scoring, so a stream that never evicts scores identically.
+_unit, _cos = scoring._unit, scoring._cos
+block_cosine, window_cosine = scoring.block_cosine, scoring.window_cosine
 
 
 class StreamState:
