@@ -5,6 +5,10 @@ but the store, no extensions, locked settings) and with one SELECT per query. Ev
 first deletes that (run, document)'s rows, so a retried task replaces instead of duplicating. A run records
 its host and pid; a writer that opens the store marks this host's ``running`` runs whose process is gone
 ``interrupted``.
+
+``ducklake:...`` stores (``pipeline.lake``) take several writers, on several machines: the same tables and
+views without primary keys, the one upsert as DELETE + INSERT inside the document's transaction, and a
+transaction that loses a commit race to another writer re-run whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import duckdb
 import pyarrow as pa
 
+from pipeline import lake
 from pipeline.config import RunConfig, code_version
 from pipeline.results import OK, DocumentResult
 
@@ -194,6 +199,8 @@ SANDBOX = {
 READ_ONLY_STATEMENTS = frozenset({duckdb.StatementType.SELECT})
 
 _LOCK_BACKOFF_S = (0.1, 5.0)  # first pause, longest pause between tries of a held lock
+# A lake transaction that lost a commit race to another writer is re-run: first pause, longest pause, tries.
+_COMMIT_RETRY = (0.05, 2.0, 30)
 
 
 EVALUATION_MATCH = ("e.run_id = n.run_id AND e.doc_id = n.doc_id AND e.metric = n.metric "
@@ -213,9 +220,10 @@ def _one_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _ddl(name: str) -> str:
+def _ddl(name: str, keys: bool = True) -> str:
+    """CREATE TABLE for ``name``; ``keys=False`` for DuckLake, which has no primary keys."""
     cols = [f"{c} {t[0]}" for c, t in TABLES[name]]
-    if name in PRIMARY_KEYS:
+    if keys and name in PRIMARY_KEYS:
         cols.append(f"PRIMARY KEY ({PRIMARY_KEYS[name]})")
     return f"CREATE TABLE IF NOT EXISTS {name} ({', '.join(cols)})"
 
@@ -308,7 +316,7 @@ def process_started_at(pid: int) -> Optional[float]:
         return None
 
 
-def _process_is_the_run(pid: Optional[int], started_at: Optional[float]) -> bool:
+def process_is_the_run(pid: Optional[int], started_at: Optional[float]) -> bool:
     """Whether the process that started a run may still be running it."""
     if pid is None or not _pid_alive(pid):
         return False
@@ -327,14 +335,28 @@ class Store:
     ``wait_s``: when another process holds the file, retry with backoff for up to that many seconds,
     calling ``on_wait(waited_s, wait_s)`` (and logging) before each pause, then fail as without it.
     After a writable open, ``interrupted_runs`` lists the run ids just marked ``interrupted``.
+
+    ``path`` may name a lake, ``ducklake:sqlite:meta.db`` or ``ducklake:postgres:CONNINFO``; ``data_path``
+    (a folder or URL for its Parquet files) is needed when the lake is created and ignored after.
+    ``commit_retries`` counts the lake transactions this store re-ran after losing a commit race.
     """
 
     def __init__(self, path: Union[str, Path], read_only: bool = False, wait_s: float = 0.0,
-                 on_wait: Optional[Callable[[float, float], None]] = None):
-        self.path = Path(path)
+                 on_wait: Optional[Callable[[float, float], None]] = None, data_path: Optional[str] = None):
         self.read_only = read_only
         self.interrupted_runs: list[str] = []
+        self.commit_retries = 0
         self._lock = threading.RLock()  # one DuckDB connection is not safe to share across threads
+        try:
+            self.lake = lake.LakeSpec.parse(str(path)) if lake.is_lake(path) else None
+        except lake.LakeSetupError as e:
+            raise StoreError(str(e)) from None
+        if self.lake is not None:
+            self.path = str(self.lake)
+            self.con = self._connect_lake(data_path)
+            self._set_up(created=False)
+            return
+        self.path = Path(path)
         if read_only and not self.path.exists():
             raise StoreError(f"{self.path}: no such database file")
         if not read_only:
@@ -352,10 +374,13 @@ class Store:
         except StoreError:
             self._remove_if(created)
             raise
+        self._set_up(created)
+
+    def _set_up(self, created: bool) -> None:
         try:
-            self._check_schema()
-            if not read_only:
-                self._mark_interrupted_runs()
+            self._read(self._check_schema)
+            if not self.read_only:
+                self._read(self._mark_interrupted_runs)
         except BaseException as e:
             self.con.close()
             self._remove_if(created)
@@ -368,6 +393,20 @@ class Store:
         if created:
             for f in (self.path, Path(f"{self.path}.wal")):
                 f.unlink(missing_ok=True)
+
+    def _read(self, fn):
+        """``fn()``; on a lake, tried again while another process's commit holds its catalog."""
+        return fn() if self.lake is None else lake.retry_locked(fn)
+
+    def _connect_lake(self, data_path: Optional[str]):
+        if self.read_only and not self.lake.exists():
+            raise StoreError(f"{self.path}: no such catalog file")
+        try:
+            return lake.connect(self.lake, self.read_only, data_path, sandbox=SANDBOX)
+        except lake.LakeSetupError as e:
+            raise StoreError(str(e)) from None
+        except duckdb.Error as e:
+            raise StoreError(f"{self.path}: cannot open the lake ({_one_line(e)})") from None
 
     def _connect(self, wait_s: float, on_wait: Optional[Callable[[float, float], None]]):
         start = time.monotonic()
@@ -423,7 +462,7 @@ class Store:
         ).fetchall())
         tables = {t for t, _ in have}
         for name, cols in TABLES.items():
-            self.con.execute(_ddl(name))
+            self.con.execute(_ddl(name, keys=self.lake is None))
             for c, t in cols:
                 if name in tables and (name, c) not in have:  # a column added since the table was created
                     self.con.execute(f"ALTER TABLE {name} ADD COLUMN {c} {t[0]}")
@@ -438,7 +477,7 @@ class Store:
             [socket.gethostname()],
         ).fetchall()
         for run_id, pid, started_at in rows:
-            if not _process_is_the_run(pid, started_at):
+            if not process_is_the_run(pid, started_at):
                 self.finish_run(run_id, "interrupted")
                 self.interrupted_runs.append(run_id)
                 log.info("%s: run %s was left running by pid %s, which is gone: marked interrupted",
@@ -448,6 +487,9 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self.con.close()
+        if self.commit_retries:  # routine one by one (logged at info), worth one line when the store closes
+            log.warning("%s: %d commits lost a race with another writer and were retried (nothing lost)",
+                        self.path, self.commit_retries)
 
     def __enter__(self) -> "Store":
         return self
@@ -480,10 +522,10 @@ class Store:
             "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
         }
         try:
-            with self._lock:
-                self._insert("runs", _arrow("runs", [row]))
-        except (StoreError, duckdb.Error) as e:
+            data = _arrow("runs", [row])
+        except StoreError as e:
             raise self._store_error(e) from None
+        self._transaction(lambda: self._insert("runs", data))
         return run_id
 
     def finish_run(self, run_id: str, status: str) -> None:
@@ -491,35 +533,31 @@ class Store:
         self._writable()
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, not {status!r}")
-        try:
-            with self._lock:
-                self.con.execute(
-                    """
-                    UPDATE runs SET status = $status, finished_at = $now,
-                      n_documents = (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
-                                     WHERE run_id = $id),
-                      n_errors = (SELECT count(*) FROM input_errors WHERE run_id = $id)
-                               + (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
-                                  WHERE run_id = $id AND status <> $ok)
-                    WHERE run_id = $id
-                    """,
-                    {"status": status, "now": _utcnow(), "id": run_id, "ok": OK},
-                )
-        except duckdb.Error as e:
-            raise self._store_error(e) from None
+        self._transaction(lambda: self.con.execute(
+            """
+            UPDATE runs SET status = $status, finished_at = $now,
+              n_documents = (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
+                             WHERE run_id = $id),
+              n_errors = (SELECT count(*) FROM input_errors WHERE run_id = $id)
+                       + (SELECT count(DISTINCT (content_sha256, doc_id)) FROM outputs
+                          WHERE run_id = $id AND status <> $ok)
+            WHERE run_id = $id
+            """,
+            {"status": status, "now": _utcnow(), "id": run_id, "ok": OK},
+        ))
 
     def done_documents(self, config: RunConfig) -> set[tuple[str, str]]:
         """(doc_id, content_sha256) of documents answered ok (every question) under this exact configuration,
         in any run. Resume skips by this pair: the same text under a new doc_id still gets its own rows."""
         with self._lock:
-            rows = self.con.execute(
+            rows = self._read(lambda: self.con.execute(
                 """
                 SELECT DISTINCT o.doc_id, o.content_sha256 FROM outputs o JOIN runs r ON r.run_id = o.run_id
                 WHERE r.config_hash = ?
                 GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = ?)
                 """,
                 [config.config_hash(), OK],
-            ).fetchall()
+            ).fetchall())
         return {(d, h) for d, h in rows}
 
     # -- writes -----------------------------------------------------------------------------------
@@ -534,18 +572,44 @@ class Store:
             self.con.unregister(name)
 
     def _transaction(self, work) -> None:
-        """``work()`` in one transaction; a DuckDB or value error becomes a one-line ``StoreError``."""
+        """``work()`` in one transaction; a DuckDB or value error becomes a one-line ``StoreError``.
+
+        On a lake, a transaction that lost a commit race to another writer (a conflict DuckLake could not
+        rebase, a locked catalog) is rolled back and ``work()`` re-run from the start, with backoff.
+        """
+        first, longest, tries = _COMMIT_RETRY
         with self._lock:
-            try:
-                self.con.execute("BEGIN TRANSACTION")
+            for attempt in range(tries):
                 try:
-                    work()
-                except BaseException:
-                    self.con.execute("ROLLBACK")
-                    raise
-                self.con.execute("COMMIT")
-            except (StoreError, duckdb.Error) as e:
-                raise self._store_error(e) from None
+                    self._one_transaction(work)
+                    return
+                except (StoreError, duckdb.Error) as e:
+                    if self.lake is None or attempt == tries - 1 or not lake.is_retryable(e):
+                        raise self._store_error(e) from None
+                    self.commit_retries += 1
+                    pause = min(first * 2 ** attempt, longest) * (0.5 + secrets.randbelow(1000) / 1000)
+                    log.info("%s: commit lost to another writer (%s); retry %d in %.2fs", self.path,
+                             _one_line(e), attempt + 1, pause)
+                    time.sleep(pause)
+
+    def _one_transaction(self, work) -> None:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            work()
+        except BaseException:
+            try:
+                self.con.execute("ROLLBACK")
+            except duckdb.Error:  # a failed COMMIT inside work has already ended the transaction
+                pass
+            raise
+        try:
+            self.con.execute("COMMIT")
+        except duckdb.Error:
+            try:
+                self.con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            raise
 
     def write_document(self, run_id: str, result: DocumentResult) -> None:
         """All rows of one document in one transaction, replacing any earlier write of the same (run, doc)."""
@@ -583,6 +647,9 @@ class Store:
         self._insert("outputs", outputs_table(run_id, result))
         self._insert("layer_memory", layer_memory_table(run_id, result))
         # n_tokens 0 means the document failed before tokenizing: keep a count we already have.
+        if self.lake is not None:
+            self._upsert_document_lake(result, n_tokens)
+            return
         self.con.execute(
             """
             INSERT INTO documents (doc_id, content_sha256, n_chars, n_tokens, title) VALUES (?, ?, ?, ?, ?)
@@ -593,6 +660,18 @@ class Store:
             """,
             [result.doc_id, result.content_sha256, result.n_chars, n_tokens, result.title],
         )
+
+    def _upsert_document_lake(self, result: DocumentResult, n_tokens: int) -> None:
+        """The ON CONFLICT update above as DELETE + INSERT (DuckLake has no keys), in the same transaction."""
+        key = [result.content_sha256, result.doc_id]
+        old = self.con.execute("SELECT max(n_tokens), max(title) FROM documents WHERE content_sha256 = ? "
+                               "AND doc_id = ?", key).fetchone()
+        self.con.execute("DELETE FROM documents WHERE content_sha256 = ? AND doc_id = ?", key)
+        self.con.execute(
+            "INSERT INTO documents (doc_id, content_sha256, n_chars, n_tokens, title) VALUES (?, ?, ?, ?, ?)",
+            [result.doc_id, result.content_sha256, result.n_chars,
+             old[0] if (n_tokens or 0) <= 0 and old[0] is not None else n_tokens,
+             result.title if result.title is not None else old[1]])
 
     def write_input_errors(self, run_id: str, errors: Iterable[Any]) -> None:
         """``RowError``s of one run; writing the same (source, row) again replaces it."""
@@ -652,6 +731,14 @@ class Store:
         if kind not in READ_ONLY_STATEMENTS:
             raise StoreError(f"{self.path}: store is open read-only; {kind.name} statements are refused "
                              "(SELECT, WITH, VALUES, DESCRIBE, SHOW and SUMMARIZE are allowed)")
+        if self.lake is not None:
+            try:
+                refused = lake.refused_functions(self.con, sql)
+            except duckdb.Error as e:
+                raise StoreError(f"{self.path}: query failed: {_one_line(e)}") from None
+            if refused:
+                raise StoreError(f"{self.path}: store is open read-only; {', '.join(refused)} reach other "
+                                 "databases and are refused")
 
     def query(self, sql: str, params: Optional[Union[list, dict]] = None) -> pa.Table:
         """Run SQL and return the result as Arrow.
@@ -664,12 +751,15 @@ class Store:
         """
         if self.read_only:
             self._check_read_only_sql(sql)
+        def run() -> pa.Table:
+            rel = self.con.sql(sql, params=params)
+            if rel is None:  # statements without a result on older DuckDB
+                return pa.table({})
+            return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
+
         try:
             with self._lock:
-                rel = self.con.sql(sql, params=params)
-                if rel is None:  # statements without a result on older DuckDB
-                    return pa.table({})
-                return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
+                return self._read(run)
         except duckdb.Error as e:
             msg = _one_line(e)
             if self.read_only and "read-only" in msg:
