@@ -2,7 +2,8 @@
 
 Serving needs a Prefect server that outlives this process, so unlike a local flow run it never starts
 Prefect's temporary one: without ``PREFECT_API_URL`` pointing at a live server it stops with one line.
-Scale-out: the same flows run from a process work pool, one worker per Mac (``--limit 1``).
+Scale-out: the same flows run from a process work pool, one worker per Mac (``--limit 1``), writing one
+DuckLake store (``--db ducklake:postgres:...``); ``flows.shards`` fans a batch out over such a pool.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from flows.batch import FLOWS
-from pipeline.config import BatchOptions
+from pipeline import lake
+from pipeline.config import BatchOptions, RunConfig
 
 LOCAL_API = "http://127.0.0.1:4200/api"
 
@@ -22,6 +24,8 @@ class ServerUnavailable(RuntimeError):
 
 def _absolute(path: str) -> str:
     # Flow runs start in their own process, maybe elsewhere: pin paths where they exist, keep model names.
+    if lake.is_lake(path):  # a lake's catalog file, not the spec, is the path (conninfo stays as it is)
+        return str(lake.LakeSpec.parse(path).absolute())
     p = Path(path).expanduser()
     return str(p.resolve()) if p.exists() or p.parent.exists() and p.suffix else path
 
@@ -51,6 +55,13 @@ def batch_parameters(input: str, press: str, compression_ratio: float, budget: O
         "head_budget": head_budget, "prefill": prefill, "press_params": press_params or {},
         "model": _absolute(model), "db": _absolute(db), "options": (options or BatchOptions()).model_dump(),
     }
+
+
+def config_settings(config: RunConfig, input: str, db: str, options: Optional[BatchOptions] = None) -> dict:
+    """``batch_parameters``' arguments for one configuration."""
+    return dict(input=input, press=config.press, compression_ratio=config.compression_ratio, budget=config.budget,
+                head_budget=config.head_budget, prefill=config.prefill, press_params=config.press_params,
+                model=config.model, db=db, options=options)
 
 
 def _deployment(task: str, name: str, cron: Optional[str], params: dict):
