@@ -359,7 +359,9 @@ class Store:
         self.path = Path(path)
         if read_only and not self.path.exists():
             raise StoreError(f"{self.path}: no such database file")
+        self._made_dirs: list[Path] = []
         if not read_only:
+            self._made_dirs = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -393,6 +395,11 @@ class Store:
         if created:
             for f in (self.path, Path(f"{self.path}.wal")):
                 f.unlink(missing_ok=True)
+            for d in self._made_dirs:  # innermost first: the folders made for it go too
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
     def _read(self, fn):
         """``fn()``; on a lake, tried again while another process's commit holds its catalog."""

@@ -357,8 +357,7 @@ CASES = [
     error("db-newer-schema", RUN, "schema version 99",
           setup=foreign_duckdb("CREATE TABLE schema_version (version INTEGER); "
                                "INSERT INTO schema_version VALUES (99)")),
-    error("disk-full-new-store", RUN, "cannot open database", "File too large", setup=full_disk(False),
-          xfail="pipeline.store.Store removes the file it could not create but leaves the folder it made for it"),
+    error("disk-full-new-store", RUN, "cannot open database", "File too large", setup=full_disk(False)),
     error("disk-full-existing-store", RUN, "write failed", "File too large", setup=full_disk(True)),
     error("db-held-by-another-process", RUN, "another process holds", "DuckDB allows one writer", setup=held()),
     ok("db-held-then-released-with-wait", run_with("--wait", "60"), "held by another writer", setup=held(1.5),
