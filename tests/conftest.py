@@ -47,3 +47,19 @@ def tokens():
         return mx.random.randint(0, 256, (n,), key=mx.random.key(seed)).astype(mx.int32)
 
     return make
+
+
+@pytest.fixture
+def prefills(monkeypatch):
+    """The doc_id of every context prefill (``Runner.prefill`` is the only place a context is prefilled)."""
+    from pipeline.runner import Runner
+
+    calls = []
+    real = Runner.prefill
+
+    def counting(self, prepared, res, press=None, on_prefill=None):
+        calls.append(res.doc_id)
+        return real(self, prepared, res, press=press, on_prefill=on_prefill)
+
+    monkeypatch.setattr(Runner, "prefill", counting)
+    return calls

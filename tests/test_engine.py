@@ -26,20 +26,6 @@ def runner():
     return Runner(tiny_model(), ByteTokenizer(), BASE, max_context=4096)
 
 
-@pytest.fixture
-def prefills(monkeypatch):
-    """Counts Runner.prefill calls (the only place a context is prefilled)."""
-    calls = []
-    real = Runner.prefill
-
-    def counting(self, prepared, res, press=None, on_prefill=None):
-        calls.append(len(prepared.context_ids))
-        return real(self, prepared, res, press=press, on_prefill=on_prefill)
-
-    monkeypatch.setattr(Runner, "prefill", counting)
-    return calls
-
-
 def docs(n=2, chars=500):
     return [Document(**d) for d in sample_docs(n, chars)]
 

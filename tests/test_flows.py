@@ -154,17 +154,9 @@ def test_rerun_resumes_without_duplicates_or_model_work(tmp_path, tiny, calls):
     assert [r["status"] for r in rows(db, "SELECT status FROM runs ORDER BY created_at")] == ["completed"] * 2
 
 
-def test_sweep_prefills_each_document_once(tmp_path, tiny, monkeypatch):
+def test_sweep_prefills_each_document_once(tmp_path, tiny, prefills):
     db = str(tmp_path / "runs.duckdb")
     inp = batch_file(tmp_path, n=2)
-    prefills = []
-    real = Runner.prefill
-
-    def prefill(self, prepared, res, press=None, on_prefill=None):
-        prefills.append(res.doc_id)
-        return real(self, prepared, res, press=press, on_prefill=on_prefill)
-
-    monkeypatch.setattr(Runner, "prefill", prefill)
     s = budget_sweep(input=inp, presses=["nestedkv", "keydiff"], compression_ratios=[0.5, 0.75],
                      head_budgets=["uniform", "adaptive"], model=TINY_NAME, db=db, options=FAST)
     assert sorted(prefills) == ["doc-0", "doc-1"]  # one prefill per document for all 9 runs

@@ -12,23 +12,14 @@ import pipeline.engine as engine
 from pipeline.config import RunConfig
 from pipeline.engine import EngineOptions, make_configs
 from pipeline.prefill_cache import PrefillCache
-from pipeline.runner import Runner
 from pipeline.store import Store
 
 
 @pytest.fixture
-def setup(tmp_path, monkeypatch):
+def setup(tmp_path, prefills):
     model = str(save_tiny_model_dir(tmp_path / "model"))
     batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 400))
     base = RunConfig(task="qa", model=model, max_new_tokens=5, prefill_step_size=128)
-    prefills = []
-    real = Runner.prefill
-
-    def counting(self, prepared, res, press=None, on_prefill=None):
-        prefills.append(res.doc_id)
-        return real(self, prepared, res, press=press, on_prefill=on_prefill)
-
-    monkeypatch.setattr(Runner, "prefill", counting)
     return tmp_path, base, batch, prefills
 
 
