@@ -23,7 +23,7 @@ def doc(**kw):
 
 
 def test_question_rows_are_appended_after_compression_and_rewound():
-    runner = make_runner(press="nestedkv", budget=64)
+    runner = make_runner(press="nestedkv", budget=64, head_budget="uniform")
     res, prepared = runner.start(doc())
     cache = runner.prefill(prepared, res)
     n_ctx = len(prepared.context_ids)
@@ -43,7 +43,7 @@ def test_question_rows_are_appended_after_compression_and_rewound():
 
 
 def test_second_question_matches_a_fresh_compressed_cache():
-    runner = make_runner(press="nestedkv", budget=64)
+    runner = make_runner(press="nestedkv", budget=64, head_budget="uniform")
     res = runner.run(doc())
     assert res.status == OK, res.error
     # Answer question 1 alone on a fresh cache: rewinding after question 0 must not have changed it.
@@ -57,7 +57,7 @@ def test_second_question_matches_a_fresh_compressed_cache():
 
 def test_layer_stats_follow_the_budget():
     r = 0.75
-    runner = make_runner(press="nestedkv", compression_ratio=r)
+    runner = make_runner(press="nestedkv", compression_ratio=r, head_budget="uniform")
     res = runner.run(doc())
     assert res.status == OK
     assert len(res.layers) == 2
