@@ -76,10 +76,9 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
 }
 PRIMARY_KEYS = {"runs": "run_id", "documents": "content_sha256, doc_id"}
 
-MEMORY_SAVINGS_SQL = """
-CREATE OR REPLACE VIEW memory_savings AS
-SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget,
-       count(DISTINCT (m.content_sha256, m.doc_id)) AS n_documents,
+# The byte sums both savings views report, per run or per run and layer.
+_RUN_KEY = "r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget"
+_SAVED_BYTES = """
        sum(m.bytes_full)::BIGINT AS bytes_full,
        sum(m.bytes_kept)::BIGINT AS bytes_kept,
        sum(m.bytes_resident)::BIGINT AS bytes_resident,
@@ -87,27 +86,24 @@ SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budge
        1 - sum(m.bytes_kept) / nullif(sum(m.bytes_full), 0) AS saved_share,
        sum(m.bytes_resident) / nullif(sum(m.bytes_full), 0) AS resident_share,
        (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib
-FROM runs r JOIN layer_memory m ON m.run_id = r.run_id
-GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget
+FROM runs r JOIN layer_memory m ON m.run_id = r.run_id"""
+
+MEMORY_SAVINGS_SQL = f"""
+CREATE OR REPLACE VIEW memory_savings AS
+SELECT {_RUN_KEY},
+       count(DISTINCT (m.content_sha256, m.doc_id)) AS n_documents,{_SAVED_BYTES}
+GROUP BY {_RUN_KEY}
 """
 
-LAYER_SAVINGS_SQL = """
+LAYER_SAVINGS_SQL = f"""
 CREATE OR REPLACE VIEW layer_savings AS
-SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, m.layer,
+SELECT {_RUN_KEY}, m.layer,
        count(*) AS n_documents,
        avg(m.tokens_seen) AS tokens_seen,
        avg(m.kept_min) AS kept_min,
        avg(m.kept_max) AS kept_max,
-       avg(m.kept_mean) AS kept_mean,
-       sum(m.bytes_full)::BIGINT AS bytes_full,
-       sum(m.bytes_kept)::BIGINT AS bytes_kept,
-       sum(m.bytes_resident)::BIGINT AS bytes_resident,
-       sum(m.bytes_kept) / nullif(sum(m.bytes_full), 0) AS kept_share,
-       1 - sum(m.bytes_kept) / nullif(sum(m.bytes_full), 0) AS saved_share,
-       sum(m.bytes_resident) / nullif(sum(m.bytes_full), 0) AS resident_share,
-       (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib
-FROM runs r JOIN layer_memory m ON m.run_id = r.run_id
-GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, m.layer
+       avg(m.kept_mean) AS kept_mean,{_SAVED_BYTES}
+GROUP BY {_RUN_KEY}, m.layer
 """
 
 # Two kinds of evaluation rows: agreement with a twin's output (reference_run_id names the twin; the
