@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-import re
 import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+# The novels' reader is shared with the synthetic long-context tasks.
+from pipeline.tasks import boundaries, read_chapters
 
 SEED = 20240611
 NOVELS = {  # doc_id prefix -> (file, title)
@@ -91,9 +93,6 @@ COLOURS = ["vermilion", "saffron", "cerulean", "heliotrope", "chartreuse", "amar
 OBJECTS = ["telescope", "sextant", "astrolabe", "metronome", "kaleidoscope", "orrery", "hourglass", "pomander",
            "ear-trumpet"]
 
-ABBREVIATIONS = {"Mr.", "Mrs.", "Dr.", "St.", "Col.", "Capt.", "Esq."}
-SENTENCE_END = re.compile(r'(?<=[.!?]) +(?=["A-Z])')
-
 
 def draw_value(kind: str, rng: random.Random) -> str:
     if kind == "code":
@@ -109,30 +108,6 @@ def draw_value(kind: str, rng: random.Random) -> str:
     return rng.choice(COLOURS if kind == "colour" else OBJECTS)
 
 
-def roman(s: str) -> int:
-    if s.isdigit():
-        return int(s)
-    vals = {"I": 1, "V": 5, "X": 10, "L": 50, "C": 100}
-    nums = [vals[c] for c in s.upper()]
-    return sum(-n if n < nxt else n for n, nxt in zip(nums, nums[1:] + [0]))
-
-
-def read_chapters(path: Path) -> dict[int, list[str]]:
-    """Chapter number -> paragraphs (blank lines separate paragraphs; wrapped lines are joined with spaces)."""
-    chapters: dict[int, list[str]] = {}
-    current = None
-    for block in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
-        para = " ".join(block.split())
-        m = re.fullmatch(r"chapter\s+([0-9]+|[ivxlc]+)\.?", para, re.I)
-        if m:
-            current = chapters.setdefault(roman(m.group(1)), [])
-        elif para in ("THE END", "A NOTE ON THE TEXT"):
-            current = None  # end matter, not Austen's text
-        elif current is not None and para and para[0] not in "[*":  # editorial notes and footnotes
-            current.append(re.sub(r"_([^_]+)_", r"\1", para))  # underscores mark italics
-    return chapters
-
-
 def excerpt(paras: list[str], words: tuple[int, int, int]) -> list[str] | None:
     """Leading whole paragraphs of a chapter within the word range (leaving room for two planted facts)."""
     lo, hi, stop = words
@@ -144,22 +119,6 @@ def excerpt(paras: list[str], words: tuple[int, int, int]) -> list[str] | None:
         out.append(p)
         n += k
     return out if n >= lo else None
-
-
-def boundaries(paras: list[str]) -> list[tuple[int, int]]:
-    """(paragraph, offset) where a new sentence may go: a paragraph start, or after a sentence, outside quotes."""
-    out, open_quote = [], False
-    for i, p in enumerate(paras):
-        if i == 0 or (not open_quote and paras[i - 1][-1] in '.!?"'):  # not after "... said in reply:"
-            out.append((i, 0))
-        # A quotation over several paragraphs reopens each one with '"' and closes only at its end.
-        open_quote = open_quote and not p.startswith('"')
-        for m in SENTENCE_END.finditer(p):
-            before = p[:m.start()]
-            if (open_quote + before.count('"')) % 2 == 0 and before.rsplit(" ", 1)[-1] not in ABBREVIATIONS:
-                out.append((i, m.start()))
-        open_quote = (open_quote + p.count('"')) % 2 == 1
-    return out
 
 
 def plant(paras: list[str], kinds: tuple[str, str], rng: random.Random, corpus: str, used: set[str]) -> dict:

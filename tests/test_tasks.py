@@ -1,0 +1,201 @@
+"""The synthetic long-context tasks (pipeline.tasks) and the suite that runs them (pipeline.suite), on the
+quick size with the byte tokenizer and a tiny random model."""
+
+import re
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from tiny import TINY_NAME, ByteTokenizer, use_tiny_model
+
+from pipeline import suite, tasks
+from pipeline.documents import load_documents
+
+LENGTH = 1024  # bytes of the byte tokenizer: the quick size
+COUNT = tasks.token_counter(ByteTokenizer())
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return tasks.generate(COUNT, lengths=(LENGTH,), per_task=2, seed=7)
+
+
+def test_generation_is_deterministic_and_seeded(docs):
+    again = tasks.generate(COUNT, lengths=(LENGTH,), per_task=2, seed=7)
+    assert again == docs
+    other = tasks.generate(COUNT, lengths=(LENGTH,), per_task=2, seed=8)
+    assert [d["text"] for d in other] != [d["text"] for d in docs]
+    # a subset of tasks yields the same documents as the full set
+    assert tasks.generate(COUNT, lengths=(LENGTH,), per_task=2, seed=7, tasks=["two_hop"]) == \
+        [d for d in docs if d["task"] == "two_hop"]
+
+
+def test_every_task_and_the_schema(docs, tmp_path):
+    assert {d["task"] for d in docs} == set(tasks.TASKS)
+    assert len({d["doc_id"] for d in docs}) == len(docs)
+    path = tasks.write(docs, tmp_path / "s.parquet")
+    assert pq.read_table(path).schema.equals(tasks.SCHEMA)
+    loaded, errors = load_documents(path)  # the pipeline's reader takes it (and ignores the extra columns)
+    assert not errors and [d.doc_id for d in loaded] == [d["doc_id"] for d in docs]
+    for d in docs:
+        n = len(d["questions"])
+        assert n >= 1 and len(d["answers"]) == len(d["parts"]) == len(d["kinds"]) == len(d["evidence"]) == n
+        assert d["answers"] == [", ".join(p) for p in d["parts"]]
+
+
+def test_lengths_are_within_tolerance(docs):
+    for d in docs:
+        assert d["n_tokens"] == COUNT(d["text"])
+        assert 0.95 * LENGTH <= d["n_tokens"] <= LENGTH, (d["doc_id"], d["n_tokens"])
+
+
+def test_standard_lengths_with_a_word_tokenizer():
+    words = lambda text: len(text.split())  # noqa: E731  (any counter works: lengths are the counter's)
+    docs = tasks.generate(words, lengths=(2048, 4096), per_task=1, tasks=["niah_single", "common_words"])
+    plain = tasks.summary_documents(words, (2048,), per_length=2)
+    for d in docs + plain:
+        assert 0.97 * d["length"] <= d["n_tokens"] <= d["length"], (d["doc_id"], d["n_tokens"])
+    assert [d["questions"] for d in plain] == [None, None] and plain[0]["text"] != plain[1]["text"]
+
+
+def test_needles_are_present_once_and_answer_their_question(docs):
+    for d in docs:
+        if d["task"] not in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
+            continue
+        for q, parts, evidence in zip(d["questions"], d["parts"], d["evidence"]):
+            key = re.search(r"\b([a-z]+-[a-z]+)\b", q).group(1)
+            for part in parts:
+                assert len(re.findall(rf"\b{re.escape(part)}\b", d["text"])) == 1, (d["doc_id"], part)
+                # the one sentence holding the value names the question's key (for multi-query: one of two)
+                sentence = next(s for s in evidence if part in s)
+                assert sentence in d["text"]
+                keys = re.findall(r"\b([a-z]+-[a-z]+)\b", q)
+                assert any(k in sentence for k in keys), (q, sentence)
+            assert key in q
+
+
+def test_needles_sit_outside_quotations(docs):
+    for d in docs:
+        for sentence in {s for ev in d["evidence"] for s in ev if s in d["text"]}:
+            start = d["text"].index(sentence)
+            paragraph = d["text"][d["text"].rfind("\n\n", 0, start) + 2 : start]
+            assert paragraph.count('"') % 2 == 0, (d["doc_id"], sentence)
+
+
+def resolve(text: str) -> dict:
+    """Variable -> value, by reading the assignments in order (any of the three phrasings)."""
+    env = {}
+    pat = re.compile(r"(?:VAR |Let )?\b([A-Z]{5})\b (?:=|be|:=) (?:VAR )?([A-Z]{5}|\d{5})\b")
+    for a, b in pat.findall(text):
+        env[a] = env[b] if b in env else b
+    return env
+
+
+def test_variable_chains_resolve_to_the_gold_variables(docs):
+    for d in (d for d in docs if d["task"] == "variable_tracking"):
+        env = resolve(d["text"])
+        for q, parts in zip(d["questions"], d["parts"]):
+            value = re.search(r"\b(\d{5})\b", q).group(1)
+            assert sorted(v for v, x in env.items() if x == value) == sorted(parts), d["doc_id"]
+
+
+def test_common_words_are_the_most_frequent(docs):
+    for d in (d for d in docs if d["task"] == "common_words"):
+        counts = Counter(re.findall(r"\d+\. ([a-z]+)", d["text"]))
+        (parts,) = d["parts"]
+        assert len(parts) == 10
+        least_common = min(counts[w] for w in parts)
+        assert least_common > max(c for w, c in counts.items() if w not in parts)
+
+
+def test_two_hop_chains_lead_to_the_gold(docs):
+    for d in (d for d in docs if d["task"] == "two_hop"):
+        for (gold,), (hop1, hop2) in zip(d["parts"], d["evidence"]):
+            assert hop1 in d["text"] and hop2 in d["text"]
+            # the first hop names B, the second takes B to the gold C
+            words = {"The", "the", "in", "of", "town"}
+            shared = set(re.findall(r"[\w-]+", hop1)) & set(re.findall(r"[\w-]+", hop2)) - words
+            assert shared and gold in hop2 and gold not in hop1
+
+
+def test_recall_is_the_share_of_parts_found():
+    assert suite.recall("It is 12345 and 67890.", ["12345", "67890"]) == 1.0
+    assert suite.recall("12345", ["12345", "67890"]) == 0.5
+    assert suite.recall("Mr. Ottoline", ["Ottoline Farquharson"]) == 0.0
+
+
+def test_paired_counts_and_standard_error():
+    rows = []
+    for i, (a, b) in enumerate([(1, 0), (1, 0), (0, 1), (1, 1), (0, 0)]):
+        for press, v in (("nestedkv", a), ("keydiff", b)):
+            rows.append({"press": press, "compression_ratio": 0.75, "head_budget": "uniform", "prefill": "whole",
+                         "task": "t", "length": 4096, "doc_id": f"d{i}", "question_idx": 0, "value": float(v)})
+    cfg = {"compression_ratio": 0.75, "head_budget": "uniform", "prefill": "whole"}
+    p = suite.paired(rows, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, {("t", 4096)})
+    assert (p["n"], p["better"], p["worse"], p["same"]) == (5, 2, 1, 2)
+    assert p["mean_diff"] == pytest.approx(0.2)
+    assert p["se"] == pytest.approx((2.8 / 4) ** 0.5 / 5 ** 0.5)  # sample sd of (1,1,-1,0,0) over sqrt(n)
+    assert suite.paired(rows, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, {("t", 2048)})["n"] == 0
+
+
+def test_calibration_excludes_cells_below_the_threshold():
+    rows = [{"press": "no_press", "task": t, "length": 2048, "value": v} for t, v in
+            [("niah_single", 1.0), ("niah_single", 0.0), ("two_hop", 1.0)]]
+    calib = {c["task"]: c for c in suite.calibration(rows, 0.6)}
+    assert calib["niah_single"]["accuracy"] == 0.5 and not calib["niah_single"]["headline"]
+    assert calib["two_hop"]["headline"]
+
+
+def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
+    opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
+                              size="quick", lengths=(768,), tasks=("niah_single", "variable_tracking"),
+                              presses=("nestedkv", "keydiff"), ratios=(0.75,), head_budgets=("uniform",),
+                              max_new_tokens=3, threshold=0.0,  # a random model scores 0: let every cell through
+                              long_from=768, summaries=1, summary_tokens=3)
+    with use_tiny_model(monkeypatch):
+        res = suite.run_suite(opts, count=COUNT, log=lambda m: None)
+    text = res.markdown_path.read_text()
+    assert "## Calibration" in text and "## Headline" in text and "niah_single" in text
+    assert "## Per-scale ablation" in text and "| stable only | 0.75 |" in text
+    assert "## Summaries at length" in text and "| nestedkv uniform | 0.75 | 768 | 1 |" in text
+    assert res.plot_path is not None and res.plot_path.stat().st_size > 0
+    assert {(c["task"], c["length"]) for c in res.calibration} == {("niah_single", 768), ("variable_tracking", 768)}
+    assert all(c["headline"] for c in res.calibration)
+    assert [(h["ratio"], h["head_budget"], h["n"]) for h in res.headline] == [(0.75, "uniform", 5)]
+
+    from pipeline.store import Store
+
+    with Store(opts.db, read_only=True) as store:
+        # task and length are in SQL: every stored answer (no_press and both methods) has a recall row
+        got = store.query("""
+            SELECT r.press, s.task, count(*) AS n FROM evaluations e JOIN runs r USING (run_id)
+            JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
+            JOIN suite_questions s ON s.doc_id = o.doc_id AND s.question_idx = o.question_idx
+            WHERE e.metric = 'recall' GROUP BY ALL ORDER BY ALL""").to_pylist()
+    runs = {"keydiff": 1, "nestedkv": 9, "no_press": 1}  # nestedkv: the method and its 8 other ablation variants
+    assert got == [{"press": p, "task": t, "n": n * runs[p]} for p in runs
+                   for t, n in (("niah_single", 3), ("variable_tracking", 2))]
+
+    # a re-run resumes: nothing new is computed, the report is the same
+    with use_tiny_model(monkeypatch) as (_, loads):
+        again = suite.run_suite(opts, count=COUNT, log=lambda m: None)
+    timeless = lambda md: [line for line in md.splitlines() if not line.startswith("Wall time")]  # noqa: E731
+    assert loads == [] and timeless(again.markdown_path.read_text()) == timeless(text)
+
+
+def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    args = ["suite", "--model", TINY_NAME, "--db", str(tmp_path / "s.duckdb"), "--out", str(tmp_path / "rep"),
+            "--lengths", "768", "--tasks", "two_hop", "--max-new-tokens", "2"]
+    with use_tiny_model(monkeypatch):
+        res = CliRunner().invoke(app, [*args, "--press", ""])
+    assert res.exit_code == 0, res.output
+    # the random model answers nothing: the cell is reported, left out of the headline, and no method runs
+    assert "| two_hop | 768 | 4 | 0.00 | no: uncompressed 0.00 < 0.6 |" in res.output  # 2 documents (standard)
+    assert "No cell passed calibration" in res.output
+    res = CliRunner().invoke(app, [*args, "--tasks", "niah_single,bogus"])
+    assert res.exit_code == 2 and "tasks" in res.output and "bogus" in res.output
