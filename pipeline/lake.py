@@ -209,8 +209,9 @@ def is_locked(e: BaseException) -> bool:
     return isinstance(e, duckdb.Error) and "database is locked" in str(e).lower()
 
 
-def retry_locked(fn, tries: int = 40, first: float = 0.02, longest: float = 0.5):
-    """``fn()``, tried again while the catalog is locked by another writer's commit (up to ~15 s)."""
+def retry_locked(fn, tries: int = 130, first: float = 0.02, longest: float = 0.5):
+    """``fn()``, tried again while the catalog is locked by other writers' commits (up to ~60 s: on a busy
+    machine back-to-back commits of several writers kept a reader out for over 15 s)."""
     for attempt in range(tries):
         try:
             return fn()
