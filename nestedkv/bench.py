@@ -122,7 +122,6 @@ def bench_scoring(sizes=SIZES, repeats: int = 3, heads: int = 8, head_dim: int =
 
         best = _best_seconds({name: runner(press) for name, press in presses.items()}, repeats)
         rows += [{"method": name, "n": n, "seconds": sec} for name, sec in best.items()]
-        del keys
     return rows
 
 

@@ -150,8 +150,6 @@ def test_batched_decode_gives_the_same_answers_and_scores(runner, prefills):
 
 
 def test_a_failing_configuration_does_not_lose_the_others(runner, monkeypatch):
-    import nestedkv
-
     real = nestedkv.clone
 
     def flaky(cache, press=None):
@@ -322,8 +320,6 @@ def test_documents_decoded_together_answer_as_one_at_a_time(tmp_path, monkeypatc
 
 
 def test_out_of_memory_in_the_whole_prefill_falls_back_to_streaming_when_allowed(runner, monkeypatch):
-    import nestedkv
-
     real = Runner.prefill
 
     def no_room_for_all(self, prepared, res, press=None, on_prefill=None):

@@ -176,7 +176,7 @@ def test_concurrent_writers_lose_and_duplicate_nothing(tmp_path):
     a reader queries while they write. Every row lands exactly once."""
     import os
 
-    with open_lake(tmp_path) as s:
+    with open_lake(tmp_path):
         pass  # created, with its data path
     script = tmp_path / "writer.py"
     script.write_text(WRITER.format(tests=os.path.dirname(__file__), spec=lake_spec(tmp_path)))
