@@ -389,13 +389,12 @@ def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_p
     """What can be checked before a flow starts is checked here, so an expected error is one line and
     leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
     damaged file; the flow reuses this process's copy), and that the store opens for writing."""
-    from pipeline.models import check_model, load_model
+    from pipeline.models import load_model
     from pipeline.store import Store
 
     check_input_early(input)
     with user_errors():
-        check_model(model)  # a bad reference fails before any loading
-        load_model(model)
+        load_model(model)  # resolves the reference first: a bad one fails before any loading
         with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass

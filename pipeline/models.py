@@ -233,12 +233,6 @@ def load_model(ref: str | None = None, *, dtype: str | None = None):
         return _loaded[key]
 
 
-def check_model(ref: str | None = None) -> str:
-    """Resolve a reference without loading anything (a one-line ``ModelLoadError`` when it cannot be);
-    returns its kind: gguf, dir or repo."""
-    return _resolve(ref)[0]
-
-
 def model_dir(ref: str | None = None) -> str:
     """An mlx-lm directory (or repo id) for a reference, converting a GGUF once if needed."""
     kind, location = _resolve(ref)

@@ -206,13 +206,6 @@ class Runner:
 
 
     # -- several compressed caches at once (configurations of a document, and documents) -------------
-    def answer_together(self, caches: dict, prepared: PreparedDocument, results: dict, reference=None) -> dict:
-        """Answer every question of one document from every cache in ``caches`` (key -> compressed cache)
-        at once; fills ``results`` (key -> DocumentResult) and returns key -> per-question scores when
-        ``reference`` (``pipeline.evaluate.Reference``) is given."""
-        return self.answer_entries([Entry(key, cache, prepared, results[key], reference)
-                                    for key, cache in caches.items()])
-
     def answer_entries(self, entries: list["Entry"]) -> dict:
         """Answer the questions of every entry (a compressed cache with its document and result), the k-th
         question of all entries together, and return key -> per-question scores for entries with a
@@ -231,7 +224,7 @@ class Runner:
         for e in entries:
             nestedkv.reset_peak(e.cache)
         for k in range(max(len(e.prepared.questions) for e in entries)):
-            live, first, histories = [], [], []
+            live, first, histories, teacher = [], [], [], {}
             for e in entries:
                 if k >= len(e.prepared.questions):
                     continue
@@ -252,7 +245,7 @@ class Runner:
                     first.append(nxt)
                     histories.append(list(q_ids))
                     if targets:
-                        e.pending = score_logits(np.array(tail), ref.logits[k], targets)
+                        teacher[e.key] = score_logits(np.array(tail), ref.logits[k], targets)
                 except Exception as exc:
                     q.status, q.error = ERROR, f"{type(exc).__name__}: {exc}"
                     rewind(e.cache)
@@ -271,9 +264,8 @@ class Runner:
                 q = e.result.questions[k]
                 if e.reference is not None:
                     s = {} if q.status != OK else score_answer(q.output, gold=q.gold, reference=e.reference.answers[k])
-                    s.update(e.pending or {})
+                    s.update(teacher.get(e.key, {}))
                     scores[e.key].append(s)
-                e.pending = None
         peak = mx.get_peak_memory()
         for e in entries:
             e.result.peak_decode_bytes = peak
@@ -331,7 +323,6 @@ class Entry:
     prepared: PreparedDocument
     result: DocumentResult
     reference: object = None
-    pending: Optional[dict] = None  # this question's teacher-forced scores, until its answer is scored
 
 
 def record_decode_peaks(res: DocumentResult, cache) -> None:

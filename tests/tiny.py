@@ -86,8 +86,7 @@ def tiny_model(seed: int = 0, n_layers: int = 2):
 
 @contextmanager
 def use_tiny_model(monkeypatch, name: str = TINY_NAME, seed: int = 0) -> Iterator[tuple]:
-    """Within the block, ``load_model(name)`` returns one tiny model and a ByteTokenizer (and ``check_model``
-    accepts the name); counts loads."""
+    """Within the block, ``load_model(name)`` returns one tiny model and a ByteTokenizer; counts loads."""
     import pipeline.models as models
 
     pair = (tiny_model(seed), ByteTokenizer())
@@ -100,9 +99,7 @@ def use_tiny_model(monkeypatch, name: str = TINY_NAME, seed: int = 0) -> Iterato
             return pair
         return real(ref, **kw)
 
-    real_check = models.check_model
     monkeypatch.setattr(models, "load_model", load_model)
-    monkeypatch.setattr(models, "check_model", lambda ref=None: "tiny" if ref == name else real_check(ref))
     yield pair, loads
 
 
