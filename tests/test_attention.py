@@ -85,6 +85,16 @@ def test_install_attention_hook_is_idempotent_and_refuses_foreign_attention(tiny
         install_attention_hook(model)
 
 
+def decode_together_and_alone(model, batch, alone, y, steps: int = 3) -> None:
+    """Greedy steps from the stacked cache and from each entry's own copy give the same logits."""
+    for _ in range(steps):
+        together = model(y, cache=batch)
+        each = [model(y[b : b + 1], cache=c) for b, c in enumerate(alone)]
+        for b in range(len(alone)):
+            assert float(mx.max(mx.abs(together[b] - each[b][0])).item()) <= 1e-4
+        y = mx.argmax(together[:, -1:], axis=-1)
+
+
 def test_stack_decodes_several_configurations_like_each_alone(tiny_model, tokens):
     model = tiny_model("llama")
     full = make_cache(model, NoPress())
@@ -101,12 +111,7 @@ def test_stack_decodes_several_configurations_like_each_alone(tiny_model, tokens
     batch = stack(caches)
     assert batch[0].keys.shape[0] == 3 and batch[0].valid is not None
     y = mx.concatenate([mx.argmax(f, axis=-1) for f in firsts], axis=0)  # [3, 1]
-    for _ in range(3):
-        together = model(y, cache=batch)
-        each = [model(y[b : b + 1], cache=alone[b]) for b in range(3)]
-        for b in range(3):
-            assert float(mx.max(mx.abs(together[b] - each[b][0])).item()) <= 1e-4
-        y = mx.argmax(together[:, -1:], axis=-1)
+    decode_together_and_alone(model, batch, alone, y)
     assert all(c.offset == 500 + 4 + 3 for c in batch)
 
 
@@ -127,12 +132,7 @@ def test_stack_decodes_different_documents_like_each_alone(tiny_model, tokens):
     batch = stack(caches)
     assert batch[0].offset.tolist() == offsets  # one position per entry
     y = mx.array([[7], [8], [9]], dtype=mx.int32)
-    for _ in range(3):
-        together = model(y, cache=batch)
-        each = [model(y[b : b + 1], cache=alone[b]) for b in range(3)]
-        for b in range(3):
-            assert float(mx.max(mx.abs(together[b] - each[b][0])).item()) <= 1e-4
-        y = mx.argmax(together[:, -1:], axis=-1)
+    decode_together_and_alone(model, batch, alone, y)
 
 
 @pytest.mark.e2e
