@@ -102,13 +102,18 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
     return sections
 
 
+def batch_config(task_name: Task, press: str, compression_ratio: float, budget: Optional[int],
+                 head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str,
+                 options: BatchOptions) -> RunConfig:
+    return RunConfig(task=task_name, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
+                     head_budget=head_budget, prefill=prefill, press_params=press_params or {}, **options.generation())
+
+
 def _batch(task_name: Task, input: str, press: str, compression_ratio: float, budget: Optional[int],
            head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str, db: str,
            options: Optional[BatchOptions], hooks: Optional[Hooks]) -> Summary:
     options = options or BatchOptions()
-    config = RunConfig(task=task_name, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-                       head_budget=head_budget, prefill=prefill, press_params=press_params or {},
-                       **options.generation())
+    config = batch_config(task_name, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
     return run_flow(f"{task_name}-batch", input, [config], db, options, options.engine_options(), hooks)
 
 
@@ -171,6 +176,56 @@ def budget_sweep(
                                   press_params)
     return run_flow("budget-sweep", input, configs, db, options,
                     options.engine_options(reference=reference, evaluate=evaluate), hooks)
+
+
+@flow(name="sharded-batch", persist_result=False)
+def sharded_batch(
+    pool: str,
+    input: str = DEFAULT_INPUT,
+    task: Task = "summarize",
+    shards: Optional[int] = None,
+    shard_size: Optional[int] = None,
+    data_path: Optional[str] = None,
+    press: str = "nestedkv",
+    compression_ratio: float = 0.75,
+    budget: Optional[int] = None,
+    head_budget: Optional[HeadBudget] = None,
+    prefill: PrefillMode = "whole",
+    press_params: Optional[dict[str, Any]] = None,
+    model: str = DEFAULT_MODEL,
+    db: str = DEFAULT_DB,
+    options: BatchOptions = BatchOptions(),
+) -> dict:
+    """One batch fanned out over a process work pool (``flows.shards``): a ``<task>-batch/shards`` flow run
+    per shard, all writing the lake ``db``. Loads no model itself; fails unless every document ends done."""
+    from flows.shards import fan_out
+
+    log = get_run_logger()
+    options = options or BatchOptions()
+    config = batch_config(task, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
+    seen: dict[int, tuple] = {}
+
+    def on_progress(shard_list) -> None:
+        for s in shard_list:
+            now = (s.state, s.done, s.attempt, s.skipped)
+            if seen.get(s.index) != now:
+                seen[s.index] = now
+                state = "done before" if s.skipped else s.state.lower()
+                log.info("%s: %s, %d/%d documents stored (attempt %d)", s.label, state, s.done, len(s.docs), s.attempt)
+
+    result = fan_out(input, config, db, pool, options, shards=shards, shard_size=shard_size, data_path=data_path,
+                     on_progress=on_progress, log=log.warning)
+    for err in result.input_errors:
+        log.warning("skipped input row: %s", err)
+    line = (f"{len(result.shards)} shards ({sum(s.skipped for s in result.shards)} done before), {len(result.run_ids)} "
+            f"runs, {result.n_ok} of {result.n_documents} documents done, {result.n_failed} failed, "
+            f"{len(result.input_errors)} bad rows, {result.wall_s:.0f} s")
+    log.info(line)
+    artifacts.publish_tables("sharded-batch", result.savings, [], result.run_ids)
+    if result.n_ok < result.n_documents:
+        raise RuntimeError(line)
+    return {"shards": len(result.shards), "runs": result.run_ids, "documents": result.n_documents,
+            "ok": result.n_ok, "failed": result.n_failed, "bad_rows": len(result.input_errors)}
 
 
 FLOWS = {"summarize": summarize_batch, "qa": qa_batch}

@@ -260,18 +260,26 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     print_summary(summary, db)
 
 
-def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation) -> None:
-    """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
-    summary from the store."""
-    from flows.deploy import ServerUnavailable
-    from flows.shards import ShardError, fan_out, require_lake
+def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_size: Optional[int]) -> None:
+    """The fan-out flags and store, before any model loads or server is asked."""
+    from flows.shards import ShardError, require_lake, shard_counts
 
     if not pool:
         fail("--shards/--shard-size fan out over a work pool: give --pool NAME")
     try:
         require_lake(db)
+        shard_counts(1, shards, shard_size)
     except ShardError as exc:
         fail(str(exc))
+
+
+def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation) -> None:
+    """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
+    summary from the store."""
+    from flows.deploy import ServerUnavailable
+    from flows.shards import ShardError, fan_out
+
+    check_fan_out(db, pool, shards, shard_size)
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a fanned-out batch runs one press configuration: give one value per press option")
@@ -339,27 +347,38 @@ def serve(
     data_path: Optional[str] = DataPathOpt,
     pool: Optional[str] = typer.Option(None, "--pool", help="register in this process work pool instead of "
                                        "serving here; run it with `prefect worker start --pool POOL --limit 1`"),
+    shards: Optional[int] = typer.Option(None, "--shards", help="with --pool: serve a scheduled fan-out here that "
+                                         "splits each run into this many shards on the pool"),
+    shard_size: Optional[int] = typer.Option(None, "--shard-size", help="with --pool: documents per shard"),
     press: dict = None,
     generation: dict = None,
 ):
     """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
+    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch, serve_sharded
 
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a deployment runs one press configuration: give one value per press option")
+    sharded = shards is not None or shard_size is not None
+    if sharded:
+        check_fan_out(db, pool, shards, shard_size)
     c = configs[0]
     params = dict(name=name, cron=cron, input=input, press=c.press, compression_ratio=c.compression_ratio,
                   budget=c.budget, head_budget=c.head_budget, prefill=c.prefill, press_params=c.press_params,
                   model=c.model, db=db, options=options)
     try:
         check_server()  # first: without a server nothing else matters
-        if pool:
-            if data_path:  # create the lake with its data path; the input lives where the workers run
-                from pipeline.store import Store
+        if pool and data_path:  # create the lake with its data path
+            from pipeline.store import Store
 
-                with user_errors(), Store(db, data_path=data_path):
-                    pass
+            with user_errors(), Store(db, data_path=data_path):
+                pass
+        if sharded:  # the fan-out reads the input here; the shards go beside the lake's data
+            check_input_early(input)
+            say(f"serving sharded-batch/{name} ({cron}): each run fans out over work pool {pool!r}; start one "
+                f"worker per machine: prefect worker start --pool {pool} --limit 1")
+            serve_sharded(c.task, pool=pool, shards=shards, shard_size=shard_size, data_path=data_path, **params)
+        elif pool:  # the input lives where the workers run
             deployment_id = deploy_batch(c.task, pool=pool, **params)
             say(f"deployment {c.task}-batch/{name} ({deployment_id}) is in work pool {pool!r}; start one "
                 f"worker per machine: prefect worker start --pool {pool} --limit 1")

@@ -64,13 +64,13 @@ def config_settings(config: RunConfig, input: str, db: str, options: Optional[Ba
                 model=config.model, db=db, options=options)
 
 
-def _deployment(task: str, name: str, cron: Optional[str], params: dict):
+def _deployment(task: str, name: str, cron: Optional[str], params: dict, flow=None, extra: Optional[dict] = None):
     from prefect.deployments.runner import EntrypointType
 
-    return FLOWS[task].to_deployment(
+    return (flow or FLOWS[task]).to_deployment(
         name=name,
         cron=cron,
-        parameters=batch_parameters(**params),
+        parameters={**batch_parameters(**params), **(extra or {})},
         # Import by module path: the package is installed, so a runner or worker finds it from any directory.
         entrypoint_type=EntrypointType.MODULE_PATH,
         description=f"Scheduled {task} batch with NestedKV KV-cache compression",
@@ -88,6 +88,22 @@ def serve_batch(task: str = "summarize", *, name: str = "nightly", cron: Optiona
 
     check_server()
     serve(_deployment(task, name, cron, params), limit=1)
+
+
+def serve_sharded(task: str = "summarize", *, pool: str, shards: Optional[int] = None, shard_size: Optional[int] = None,
+                  data_path: Optional[str] = None, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
+                  **params) -> None:
+    """Serve ``sharded-batch/<name>`` on a cron schedule until interrupted: each run splits the batch and
+    submits its shards to ``pool`` (``flows.shards``), where the workers load the model; this process
+    only waits for them."""
+    from prefect import serve
+
+    from flows.batch import sharded_batch
+
+    check_server()
+    extra = {"task": task, "pool": pool, "shards": shards, "shard_size": shard_size,
+             "data_path": _absolute(data_path) if data_path else None}
+    serve(_deployment(task, name, cron, params, sharded_batch, extra), limit=1)
 
 
 def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", cron: Optional[str] = "0 2 * * *",

@@ -73,6 +73,7 @@ class FanOut:
 
     shards: list[Shard]
     input_errors: list[RowError]
+    errors_run_id: Optional[str] = None  # the run holding the batch's bad rows
     run_ids: list[str] = field(default_factory=list)
     savings: list[dict] = field(default_factory=list)
     n_documents: int = 0
@@ -142,6 +143,22 @@ def write_shards(input: str, config: RunConfig, folder: Path, deployment: str, s
             tmp.replace(path)  # whole or absent: a worker never reads half a shard
         out.append(Shard(i, len(counts), path, part, f"nkv-{key}-s{i + 1}of{len(counts)}"))
     return out, errors
+
+
+def record_input_errors(db: str, config: RunConfig, input: str, errors: list[RowError]) -> Optional[str]:
+    """The batch's bad rows, in a run of their own over the original input (the shards hold only valid
+    documents), as a single-machine run records them; once per batch, not on every re-submission."""
+    if not errors:
+        return None
+    with Store(db) as store:
+        (seen,) = store.query("SELECT count(*) FROM input_errors e JOIN runs r USING (run_id) WHERE r.config_hash "
+                              "= $h AND r.input = $i", {"h": config.config_hash(), "i": str(input)}).column(0).to_pylist()
+        if seen >= len(errors):
+            return None
+        run_id = store.start_run(config, str(input))
+        store.write_input_errors(run_id, errors)
+        store.finish_run(run_id, "completed")
+    return run_id
 
 
 # -- Prefect ------------------------------------------------------------------------------------------
@@ -243,6 +260,7 @@ def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, 
     flow_name = f"{config.task}-batch"
     deployment = f"{flow_name}/{name}"
     shard_list, errors = write_shards(input, config, folder, deployment, shards, shard_size)
+    errors_run_id = record_input_errors(db, config, input, errors)
     if not shard_list:
         raise ShardError(f"{input}: no valid documents to run")
     settings = config_settings(config, input, db, options)
@@ -282,7 +300,7 @@ def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, 
                    for s in shard_list):
                 break
             time.sleep(POLL_S)
-        result = FanOut(shard_list, errors)
+        result = FanOut(shard_list, errors, errors_run_id)
         merge_summary(store, config, shard_list, result)
     result.wall_s = time.monotonic() - start
     bad = [s.label for s in shard_list if s.state in FINAL_BAD]

@@ -1,7 +1,8 @@
 """Scale-out for real: a throwaway PostgreSQL catalog, a Prefect server, a process work pool and two workers
 on loopback, one DuckLake store. ``nkv run --pool`` fans 6 documents out in 3 shards; then, in a second
 batch (24 documents, 3 shards), one worker is killed mid-shard with its flow run (the machine dies): the
-parent resubmits that shard, and re-submitting the whole batch afterwards runs nothing again.
+parent resubmits that shard, and re-submitting the whole batch afterwards runs nothing again. Last, ``nkv
+serve --pool --shards`` serves the same fan-out as a scheduled deployment, run once on demand.
 
 Skipped, with the reason, where PostgreSQL's server binaries or the DuckLake extensions are missing
 (.ci/run installs both).
@@ -127,7 +128,7 @@ def test_two_workers_fill_one_lake_and_survive_a_killed_worker(tmp_path):
     # 12 layers: a document's layer_memory rows pass DuckLake's inlining limit (10), so they land in Parquet
     model = save_tiny_model_dir(tmp_path / "tiny-model", n_layers=12)
     docs = sample_docs(6, chars=300)
-    inp = write_batch(tmp_path / "batch.parquet", docs)
+    inp = write_batch(tmp_path / "batch.parquet", docs + [{"doc_id": "no-text", "text": None}])
     data = tmp_path / "lake-data"
     procs, logs = [], []  # watched by wait_for, pairwise
 
@@ -175,8 +176,12 @@ def test_two_workers_fill_one_lake_and_survive_a_killed_worker(tmp_path):
         assert [r["doc_id"] for r in rows] == [d["doc_id"] for d in docs]
         assert all(r["n"] == 1 and r["runs"] == 1 for r in rows), rows  # summarize: one row per document
         # both workers ran shards: each worker's log names the flow runs it submitted
-        shard_runs = json.loads(query(env, db, "SELECT count(*) AS n FROM runs").stdout)[0]["n"]
-        assert shard_runs == 3
+        shard_runs = json.loads(query(env, db, "SELECT count(*) AS n FROM runs WHERE input LIKE '%shard-%'").stdout)
+        assert shard_runs[0]["n"] == 3
+        # the bad row is recorded once, in a run over the original input, as a single-machine run records it
+        bad = json.loads(query(env, db, "SELECT e.doc_id, e.field, r.input FROM input_errors e JOIN runs r "
+                               "USING (run_id)").stdout)
+        assert [(b["doc_id"], b["field"], b["input"]) for b in bad] == [("no-text", "text", inp)]
         worked = [log.read_text().count("submitted to infrastructure") for _, log in workers]
         assert all(n >= 1 for n in worked), worked
 
@@ -227,10 +232,31 @@ def test_two_workers_fill_one_lake_and_survive_a_killed_worker(tmp_path):
         statuses = json.loads(query(env, db, "SELECT status, count(*) AS n FROM runs WHERE compression_ratio = 0.5 "
                                     "GROUP BY status ORDER BY status").stdout)
         assert {s["status"] for s in statuses} <= {"completed", "running", "interrupted"}
+        # `nkv serve --pool --shards` serves the same fan-out on a schedule; run it now instead of at 2 am
+        # (one worker is left, so its two shards run one after the other).
+        docs3 = sample_docs(4, chars=300)
+        inp3 = write_batch(tmp_path / "batch3.parquet", docs3)
+        serve_log = tmp_path / "serve.log"
+        served = start(NKV + ["serve", "--pool", "nkv-pool", "--shards", "2", "--name", "nightly", "--input", inp3,
+                              "--model", str(model), "--db", db, "--data-path", str(data), "--max-new-tokens", "4",
+                              "--retries", "0", "--compression-ratio", "0.9"], env, serve_log)
+        procs.append(served), logs.append(serve_log)
+        wait_for("the served fan-out", lambda: subprocess.run(
+            PREFECT + ["deployment", "inspect", "sharded-batch/nightly"], env=env, capture_output=True,
+            timeout=60).returncode == 0, 120, procs, logs)
+        res = subprocess.run(PREFECT + ["deployment", "run", "sharded-batch/nightly", "--watch",
+                                        "--watch-timeout", "300"], env=env, capture_output=True, text=True, timeout=360)
+        assert res.returncode == 0, res.stdout[-2000:] + serve_log.read_text()[-3000:]
+        rows = json.loads(query(env, db, "SELECT o.doc_id, count(*) AS n, any_value(r.input) AS input FROM "
+                                "outputs o JOIN runs r USING (run_id) WHERE r.compression_ratio = 0.9 "
+                                "GROUP BY o.doc_id ORDER BY o.doc_id").stdout)
+        assert [(r["doc_id"], r["n"]) for r in rows] == [(d["doc_id"], 1) for d in docs3]
+        assert len({r["input"] for r in rows}) == 2  # two shard files, one flow run each
+        t_served = time.monotonic()
         retries = sum(int(n) for _, log in workers
                       for n in re.findall(r"(\d+) commits lost a race", log.read_text()))
         print(f"\nscale-out timings: setup {t_ready - t0:.0f} s, first batch {t_first - t_ready:.0f} s, "
-              f"kill and resubmit {t_done - t_first:.0f} s; commit retries in the worker logs: {retries}")
+              f"kill and resubmit {t_done - t_first:.0f} s, served fan-out {t_served - t_done:.0f} s; commit retries in the worker logs: {retries}")
     finally:
         for p in reversed(procs):
             stop(p)
@@ -330,3 +356,23 @@ def test_merged_summary_counts_each_document_once_over_attempts(tmp_path):
     assert (out.n_documents, out.n_ok, out.n_failed) == (3, 2, 1)
     assert out.run_ids == [crashed, retry]
     assert {r["run_id"] for r in out.savings} == {crashed, retry}
+
+
+def test_bad_rows_of_a_fanned_out_batch_are_recorded_once(tmp_path):
+    from flows.shards import record_input_errors, write_shards
+    from pipeline.config import RunConfig
+    from pipeline.store import Store
+
+    cfg = RunConfig()
+    inp = write_batch(tmp_path / "in.parquet", sample_docs(2, chars=100) + [{"doc_id": "empty", "text": ""}])
+    shard_list, errors = write_shards(inp, cfg, tmp_path / "shards", "d", shards=2)
+    assert [d.doc_id for s in shard_list for d in s.docs] == ["doc-0", "doc-1"]
+    db = str(tmp_path / "runs.duckdb")
+    assert record_input_errors(db, cfg, inp, []) is None
+    run_id = record_input_errors(db, cfg, inp, errors)
+    assert record_input_errors(db, cfg, inp, errors) is None  # a re-submission records nothing twice
+    with Store(db, read_only=True) as store:
+        rows = store.query("SELECT r.run_id, r.input, r.status, r.n_errors, e.doc_id, e.field FROM runs r "
+                           "JOIN input_errors e USING (run_id)").to_pylist()
+    assert rows == [{"run_id": run_id, "input": inp, "status": "completed", "n_errors": 1, "doc_id": "empty",
+                     "field": "text"}]
