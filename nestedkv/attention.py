@@ -10,7 +10,12 @@ Two layouts need more than mlx-lm's attention:
 mlx-lm builds one mask from the first layer's cache for all layers, so a per-layer, per-head mask cannot come
 from ``make_mask``. Model modules call the ``scaled_dot_product_attention`` they imported from
 ``mlx_lm.models.base``; ``install_attention_hook`` swaps that name for ``attention``, which handles the two
-layouts above and passes everything else through untouched.
+layouts above and passes everything else to mlx-lm's function.
+
+On the CPU, long prefill chunks are also split by query rows (``row_plan``): mlx's CPU attention computes its
+softmax on one thread, and its exp dominates prefill time past a few hundred context tokens, so row blocks
+on several CPU streams use every core; causal blocks skip the keys they cannot see, and every block's scores
+stay under ``_cpu.CHUNK_BYTES``. Each row is computed as before, over the same keys.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ import sys
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
+from nestedkv import _cpu
+
 _sdpa = mlx_base.scaled_dot_product_attention
+MIN_ROWS = 16  # query rows per block at least
+PARALLEL_MIN_SCORES = 2**20  # B x query heads x rows x keys below which one call is as fast
 
 
 def head_mask(valid: mx.array, mask, n_q_heads: int, n_queries: int, n_keys: int):
@@ -44,6 +53,52 @@ def head_mask(valid: mx.array, mask, n_q_heads: int, n_queries: int, n_keys: int
     return mx.where(rows, mask, mx.finfo(mask.dtype).min)
 
 
+def row_plan(B: int, n_q_heads: int, n_queries: int, n_keys: int, streams: int) -> list[list[tuple[int, int]]]:
+    """Per CPU stream, the query-row blocks it computes: at least one block per stream, each block's fp32
+    scores within ``_cpu.CHUNK_BYTES``; blocks go round-robin, so under a causal mask (later rows see more
+    keys) the streams get similar work. Empty when one call is as fast."""
+    scores = B * n_q_heads * n_queries * n_keys
+    if n_queries < 2 * MIN_ROWS or scores < PARALLEL_MIN_SCORES:
+        return []
+    n = max(streams, -(-scores * 4 // _cpu.CHUNK_BYTES))
+    n = min(n, n_queries // MIN_ROWS)
+    bounds = [round(i * n_queries / n) for i in range(n + 1)]
+    return [[(bounds[j], bounds[j + 1]) for j in range(i, n, streams)] for i in range(streams)]
+
+
+def _by_rows(queries, keys, values, scale, mask, sinks, plan):
+    L, S = queries.shape[2], keys.shape[2]
+    parts = {}
+    for i, blocks in enumerate(plan):
+        with mx.stream(_cpu.stream(i)):
+            for a, b in blocks:
+                if isinstance(mask, str):  # causal, aligned to the end of the keys: later keys are hidden
+                    end = S - L + b
+                    k, v, m = keys[:, :, :end], values[:, :, :end], mask
+                else:
+                    k, v = keys, values
+                    m = mask if mask is None or mask.shape[-2] == 1 else mask[..., a:b, :]
+                parts[a] = mx.fast.scaled_dot_product_attention(queries[:, :, a:b], k, v, scale=scale, mask=m,
+                                                                sinks=sinks)
+    return mx.concatenate([parts[a] for a in sorted(parts)], axis=2)
+
+
+def _attend(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's attention; on the CPU, long query chunks by row blocks over the cores (see ``row_plan``)."""
+    splittable = (
+        _cpu.on_cpu()
+        and not hasattr(cache, "bits")
+        and (mask is None or mask == "causal" if isinstance(mask, (str, type(None)))
+             else mask.ndim >= 2 and mask.shape[-2] in (1, queries.shape[2]))
+    )
+    if splittable:
+        B, Hq, L, _ = queries.shape
+        plan = row_plan(B, Hq, L, keys.shape[2], _cpu.streams_for(L // MIN_ROWS))
+        if plan:
+            return _by_rows(queries, keys, values, scale, mask, sinks, plan)
+    return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
 def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=None):
     """Attention where KV head h holds its own rows ``keys[h]`` ``[B, 1, S_h, D]``; the query heads of its GQA
     group attend to those rows only. ``mask`` is None or ``"causal"`` (aligned to the end of each head's keys)."""
@@ -56,7 +111,7 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
         raise ValueError("per-head (adaptive, unpadded) attention supports only mask=None or 'causal'")
     g = Hq // H
     outs = [
-        _sdpa(
+        _attend(
             queries[:, h * g : (h + 1) * g],
             keys[h],
             values[h],
@@ -77,7 +132,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     valid = getattr(cache, "valid", None)
     if valid is not None:
         mask = head_mask(valid, mask, queries.shape[1], queries.shape[2], keys.shape[2])
-    return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return _attend(queries, keys, values, cache, scale, mask, sinks)
 
 
 def hook_loaded_models() -> None:
@@ -94,14 +149,18 @@ def _attention_modules(model):
         yield sys.modules[type(attn).__module__] if attn is not None else None
 
 
-def install_attention_hook(model) -> None:
-    """Route the model's attention through ``attention`` (idempotent); raise if it cannot be."""
-    for module in _attention_modules(model):
-        fn = getattr(module, "scaled_dot_product_attention", None) if module else None
-        if fn is _sdpa:
-            module.scaled_dot_product_attention = attention
-        elif fn is not attention:
-            raise ValueError(
-                f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
-                f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
-            )
+def install_attention_hook(model, required: bool = True) -> bool:
+    """Route the model's attention through ``attention`` (idempotent). A model whose attention does not call
+    mlx-lm's function raises when ``required``, else keeps its own attention; returns whether it is routed."""
+    modules = list(_attention_modules(model))
+    fns = [getattr(m, "scaled_dot_product_attention", None) if m else None for m in modules]
+    if not all(fn is _sdpa or fn is attention for fn in fns):
+        if not required:
+            return False
+        raise ValueError(
+            f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
+            f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
+        )
+    for module in modules:
+        module.scaled_dot_product_attention = attention
+    return True

@@ -474,8 +474,8 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
             raise ValueError(
                 f"layer {i} uses {type(c).__name__}; NestedKV compresses only full-attention KVCache layers"
             )
-    if press is not None and press.head_budget == "adaptive":
-        install_attention_hook(model)
+    # Adaptive budgets need the hook; elsewhere it only speeds CPU prefill, so a model without it runs as is.
+    install_attention_hook(model, required=press is not None and press.head_budget == "adaptive")
     return [NestedKVCache(press, context_len) for _ in defaults]
 
 

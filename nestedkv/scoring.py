@@ -11,6 +11,8 @@ import math
 
 import mlx.core as mx
 
+from nestedkv import _cpu
+from nestedkv._cpu import CHUNK_BYTES, MAX_STREAMS
 from nestedkv._platform import cpu_cores
 
 EPS = 1e-6
@@ -26,10 +28,7 @@ TAIL = 0.10  # top/bottom share for the discriminative gap
 TAU = 0.60  # surprise-gate threshold on min-max-normalized, mean-centred surprise
 KAPPA = 10.0  # surprise-gate sharpness
 
-MAX_STREAMS = 4  # CPU streams (threads) NestedKV scoring spreads its heads over
 PARALLEL_MIN_N = 1024  # shorter contexts are scored on one stream (per-op overhead dominates)
-CHUNK_BYTES = 16 * 2**20  # fp32 keys scored at once on the CPU (see head_plan)
-_STREAMS: list = []
 
 
 def check_keys(keys: mx.array) -> None:
@@ -149,12 +148,6 @@ def tail_gap(x: mx.array, tail: float = TAIL) -> mx.array:
     return _tail_gap_last(mx.moveaxis(x, 2, -1), tail)
 
 
-def _stream(i: int) -> mx.Stream:
-    while len(_STREAMS) <= i:
-        _STREAMS.append(mx.new_stream(mx.cpu))
-    return _STREAMS[i]
-
-
 def head_plan(B: int, H: int, N: int, D: int, cores: int) -> list[list[tuple[int, int]]]:
     """How the CPU scores ``[B, H, N, D]`` keys: per stream, the head ranges it scores in turn.
 
@@ -176,7 +169,7 @@ def _by_heads(fn, keys: mx.array, plan: list[list[tuple[int, int]]] | None = Non
     """``fn(keys)`` for a per-head scorer, computed by head ranges on the CPU (see ``head_plan``);
     every statistic is per head, so this changes no value. Elsewhere (Metal, CUDA) in one piece."""
     if plan is None:
-        if mx.default_device() != mx.cpu:
+        if not _cpu.on_cpu():
             return fn(keys)
         plan = head_plan(*keys.shape, cpu_cores())
     if len(plan) == 1:
@@ -184,7 +177,7 @@ def _by_heads(fn, keys: mx.array, plan: list[list[tuple[int, int]]] | None = Non
     else:
         parts = []
         for i, ranges in enumerate(plan):
-            with mx.stream(_stream(i)):
+            with mx.stream(_cpu.stream(i)):
                 parts += [fn(keys[:, lo:hi]) for lo, hi in ranges]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 

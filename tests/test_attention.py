@@ -85,6 +85,92 @@ def test_install_attention_hook_is_idempotent_and_refuses_foreign_attention(tiny
         install_attention_hook(model)
 
 
+def test_install_attention_hook_can_leave_a_foreign_attention_alone(tiny_model, monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    model = tiny_model("llama")
+    own = lambda *a, **k: None  # noqa: E731
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", own)
+    assert install_attention_hook(model, required=False) is False
+    assert llama.scaled_dot_product_attention is own
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
+    assert install_attention_hook(model, required=False) is True
+    assert llama.scaled_dot_product_attention is nkv_attention.attention
+
+
+@pytest.mark.parametrize("B,L,S,streams", [(1, 512, 512, 2), (2, 100, 900, 3), (1, 64, 4096, 2), (1, 2000, 2000, 1)])
+def test_row_plan_covers_every_row_once_in_small_blocks(B, L, S, streams):
+    from nestedkv import _cpu
+
+    plan = nkv_attention.row_plan(B, 8, L, S, streams)
+    blocks = sorted(b for stream in plan for b in stream)
+    assert len(plan) == streams and all(plan)
+    assert blocks[0][0] == 0 and blocks[-1][1] == L and all(x[1] == y[0] for x, y in zip(blocks, blocks[1:]))
+    assert all(b - a >= nkv_attention.MIN_ROWS for a, b in blocks)
+    big = max(b - a for a, b in blocks) * B * 8 * S * 4
+    assert big <= _cpu.CHUNK_BYTES or max(b - a for a, b in blocks) < 2 * nkv_attention.MIN_ROWS
+    assert nkv_attention.row_plan(1, 8, 1, S, streams) == []  # decode: one call
+    assert nkv_attention.row_plan(1, 1, 40, 40, streams) == []  # too little work to split
+
+
+def _random_attention_inputs(B, Hq, H, L, S, seed=0):
+    q, k, v = (mx.random.normal(shape, key=mx.random.key(seed + i)) for i, shape in
+               enumerate([(B, Hq, L, 16), (B, H, S, 16), (B, H, S, 16)]))
+    return q, k, v
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "bool", "additive_2d", "one_row"])
+def test_attention_by_row_blocks_equals_one_call(mask, monkeypatch):
+    """The CPU row split (forced here on small shapes) gives every row the attention one call gives it."""
+    B, Hq, H, L, S = 2, 4, 2, 96, 160
+    q, k, v = _random_attention_inputs(B, Hq, H, L, S)
+    causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    m = {"causal": "causal", None: None, "bool": mx.broadcast_to(causal, (B, Hq, L, S)),
+         "additive_2d": mx.where(causal, 0.0, -1e9), "one_row": mx.arange(S)[None] % 3 != 0}[mask]
+    want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.25, mask=m)
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    plan = nkv_attention.row_plan(B, Hq, L, S, 2)
+    assert len(plan) == 2
+    got = nkv_attention._by_rows(q, k, v, 0.25, m, None, plan)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    # and through the hook, as a model calls it
+    hooked = nkv_attention.attention(q, k, v, None, 0.25, m)
+    np.testing.assert_allclose(np.array(hooked), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, monkeypatch):
+    """A tiny model's chunked prefill and greedy decode: the same tokens with the row split forced as
+    without it (the hook is off for the reference)."""
+    import mlx_lm.models.llama as llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model("llama", n_layers=2)
+    ids = tokens(300, seed=3)[None]
+
+    def greedy():
+        cache = make_prompt_cache(model)
+        for i in range(0, 300, 128):
+            logits = model(ids[:, i:i + 128], cache=cache)
+        out = []
+        for _ in range(8):
+            y = mx.argmax(logits[:, -1:], axis=-1)
+            out.append(int(y.item()))
+            logits = model(y, cache=cache)
+        return out, logits
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
+    want, want_logits = greedy()
+    calls = []
+    by_rows = nkv_attention._by_rows
+    monkeypatch.setattr(nkv_attention, "_by_rows", lambda *a: calls.append(a[0].shape) or by_rows(*a))
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    install_attention_hook(model)
+    got, got_logits = greedy()
+    assert calls and got == want
+    assert float(mx.max(mx.abs(got_logits - want_logits)).item()) <= 1e-4
+
+
 def decode_together_and_alone(model, batch, alone, y, steps: int = 3) -> None:
     """Greedy steps from the stacked cache and from each entry's own copy give the same logits."""
     for _ in range(steps):

@@ -1,0 +1,30 @@
+"""CPU streams: mlx runs each CPU stream's element-wise work on one thread, so work spread over streams uses
+more cores (matmuls already use every core through BLAS)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from nestedkv._platform import cpu_cores
+
+MAX_STREAMS = 4
+# fp32 intermediates worked on at once: mlx's CPU backend has no buffer cache and glibc maps every buffer of
+# 32 MiB or more afresh, so each such buffer costs a page fault per 4 KiB.
+CHUNK_BYTES = 16 * 2**20
+_STREAMS: list = []
+
+
+def stream(i: int) -> mx.Stream:
+    """The i-th extra CPU stream (created once per process)."""
+    while len(_STREAMS) <= i:
+        _STREAMS.append(mx.new_stream(mx.cpu))
+    return _STREAMS[i]
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def streams_for(parts: int) -> int:
+    """How many CPU streams ``parts`` independent pieces of work spread over."""
+    return max(1, min(parts, cpu_cores(), MAX_STREAMS))
