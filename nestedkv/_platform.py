@@ -18,7 +18,15 @@ AVX2 = frozenset({"avx2", "fma"})
 ZEN5_FAMILY = 0x1A  # Debian's OpenBLAS 0.3.21 knows AMD families up to 0x19 (Zen 3/4)
 
 _done = False
-_state: dict = {"library": None, "coretype_set": None}
+_state: dict = {"library": None, "coretype_set": None, "malloc": None}
+
+# glibc malloc settings for mlx's CPU backend, which has no buffer cache: with glibc's default, buffers of a
+# few MiB and more are mapped afresh (the threshold moves with the history of frees) and cost a page fault
+# per 4 KiB each time. Fixed: every buffer under 32 MiB (glibc's largest threshold) comes from the heap,
+# and up to 1 GiB freed at its top is kept for the next buffers instead of being returned at once.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MALLOC_SETTINGS = {M_MMAP_THRESHOLD: 32 * 2**20, M_TRIM_THRESHOLD: 2**30}
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ def load_openblas() -> bool:
     if _done or platform.system() != "Linux" or os.environ.get("NKV_NO_OPENBLAS") == "1":
         return False
     _done = True
+    tune_malloc(os.environ)
     if "mlx.core" in sys.modules:
         warnings.warn(
             "mlx was imported before nestedkv: the system OpenBLAS could not be loaded first; "
@@ -139,6 +148,22 @@ def load_openblas() -> bool:
             del os.environ[CORETYPE_ENV]
     _state.update(library=path, coretype_set=coretype)
     return True
+
+
+def tune_malloc(env: Mapping[str, str]) -> Optional[dict]:
+    """Apply ``MALLOC_SETTINGS`` with glibc's ``mallopt`` unless the user set any ``MALLOC_*_`` variable;
+    returns what was set (None: not glibc, or left to the user)."""
+    if any(k in env for k in MALLOC_ENV):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = {param: value for param, value in MALLOC_SETTINGS.items() if mallopt(param, value) == 1}
+    _state["malloc"] = done or None
+    return _state["malloc"]
 
 
 def blas_info() -> dict:

@@ -230,7 +230,7 @@ def _nestedkv(keys, window, block, prior, beta, tail, tau, kappa, use_gate, scal
 def keydiff_scores(keys: mx.array) -> mx.array:
     """KeyDiff: negative cosine to the mean unit key (NestedKV's stable scale alone)."""
     check_keys(keys)
-    return -stable_cosine(_unit(keys.astype(mx.float32)))
+    return _by_heads(lambda k: -stable_cosine(_unit(k.astype(mx.float32))), keys)
 
 
 def knorm_scores(keys: mx.array) -> mx.array:

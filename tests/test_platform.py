@@ -142,6 +142,23 @@ def test_opt_out_loads_nothing():
     assert got["library"] == "mlx's bundled reference BLAS"
 
 
+def _glibc() -> bool:
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def test_users_malloc_variables_win():
+    assert P.tune_malloc({"MALLOC_TRIM_THRESHOLD_": "0"}) is None
+    assert P.tune_malloc({"MALLOC_MMAP_MAX_": "0"}) is None
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's mallopt")
+def test_malloc_keeps_buffers_under_32_mib_on_the_heap():
+    want = {P.M_MMAP_THRESHOLD: 32 * 2**20, P.M_TRIM_THRESHOLD: 2**30}
+    if not any(k in os.environ for k in P.MALLOC_ENV) and os.environ.get("NKV_NO_OPENBLAS") != "1":
+        assert P._state["malloc"] == want  # importing the package applied it
+    assert P.tune_malloc({}) == want
+
+
 # -- bench -------------------------------------------------------------------------------------
 def test_gemm_gflops_is_a_positive_rate():
     assert bench.gemm_gflops(n=64, repeats=2) > 0

@@ -440,6 +440,8 @@ def test_scoring_by_head_ranges_changes_no_value(plan):
     split = scoring._by_heads(score, keys, plan)
     assert split.shape == whole.shape
     assert mx.array_equal(split, whole).item()
+    keydiff = scoring._by_heads(lambda k: -scoring.stable_cosine(scoring._unit(k)), keys, plan)
+    assert mx.array_equal(keydiff, scoring.keydiff_scores(keys)).item()
 
 
 def test_long_context_scores_inside_another_stream():
