@@ -86,8 +86,9 @@ def shard_counts(n_docs: int, shards: Optional[int], shard_size: Optional[int]) 
     """Documents per shard, contiguous and as even as possible; exactly one of ``shards``/``shard_size``."""
     if (shards is None) == (shard_size is None):
         raise ShardError("give --shards N or --shard-size K (one of them)")
-    if shards is not None and shards < 1 or shard_size is not None and shard_size < 1:
-        raise ShardError(f"--shards/--shard-size must be at least 1, got {shards or shard_size}")
+    for flag, value in (("--shards", shards), ("--shard-size", shard_size)):
+        if value is not None and value < 1:
+            raise ShardError(f"{flag} must be at least 1, got {value}")
     if n_docs == 0:
         return []
     n = min(shards, n_docs) if shards is not None else -(-n_docs // shard_size)

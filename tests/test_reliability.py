@@ -324,6 +324,12 @@ CASES = [
     error("sweep-ratio-list-bad", ["sweep", "--compression-ratio", "0.5,x", "--db", "{db}"], "comma-separated"),
     error("query-format-bogus", ["query", "SELECT 1", "--db", "{db}", "--format", "xml"], "--format",
           setup=a_store),
+    error("shards-0", run_with("--pool", "p", "--shards", "0", "--db", "ducklake:sqlite:{tmp}/meta.db"),
+          "--shards must be at least 1, got 0", check=no_file("meta.db")),
+    error("shard-size-negative", run_with("--pool", "p", "--shard-size", "-3", "--db", "ducklake:sqlite:{tmp}/meta.db"),
+          "--shard-size must be at least 1, got -3", check=no_file("meta.db")),
+    error("pool-on-a-duckdb-file", run_with("--pool", "p", "--shards", "2"), "--pool needs a lake store"),
+    error("serve-shards-without-pool", ["serve", "--shards", "2", "--db", "{db}"], "give --pool NAME"),
 
     # ---- models: checked before anything starts
     error("model-path-missing", run_with("--model", "./no/such/model"), "does not exist"),

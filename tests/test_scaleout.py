@@ -271,9 +271,13 @@ def test_shards_split_evenly_and_name_the_batch(tmp_path):
     assert shard_counts(7, 3, None) == [3, 2, 2]
     assert shard_counts(2, 5, None) == [1, 1]  # never an empty shard
     assert shard_counts(7, None, 3) == [3, 2, 2]
-    for bad in [(None, None), (2, 3), (0, None), (None, 0)]:
-        with pytest.raises(ShardError):
+    for bad in [(None, None), (2, 3)]:
+        with pytest.raises(ShardError, match="one of them"):
             shard_counts(7, *bad)
+    with pytest.raises(ShardError, match="--shards must be at least 1, got 0"):
+        shard_counts(7, 0, None)
+    with pytest.raises(ShardError, match="--shard-size must be at least 1, got -2"):
+        shard_counts(7, None, -2)
     inp = write_batch(tmp_path / "in.parquet", sample_docs(5, chars=120))
     cfg = RunConfig()
     shards, errors = write_shards(inp, cfg, tmp_path / "shards", "summarize-batch/shards", shards=2)
