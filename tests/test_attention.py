@@ -139,6 +139,32 @@ def test_attention_by_row_blocks_equals_one_call(mask, monkeypatch):
     np.testing.assert_allclose(np.array(hooked), np.array(want), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.float16, 2e-3), (mx.bfloat16, 2e-2)],
+                         ids=["fp32", "fp16", "bf16"])
+def test_softmax_attention_equals_mlx_attention(dtype, tol):
+    """The CPU softmax (exp as a power of 2) against mlx's attention: GQA, an offset causal mask, and an
+    additive mask using the dtype's lowest value, as mlx-lm's masks do."""
+    q, k, v = (x.astype(dtype) for x in _random_attention_inputs(2, 6, 3, 40, 70, seed=5))
+    lowest = mx.finfo(dtype).min
+    hidden = mx.where(mx.arange(70)[None] % 4 == 0, lowest, 0.0).astype(dtype)
+    for mask in ("causal", None, hidden, mx.broadcast_to(hidden, (2, 6, 40, 70))):
+        want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.3, mask=mask)
+        got = nkv_attention.softmax_attention(q, k, v, 0.3, mask)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                                   atol=tol, rtol=tol)
+
+
+def test_row_blocks_keep_attention_sinks(monkeypatch):
+    """Models with attention sinks keep mlx's attention in each block (the CPU softmax has no sink term)."""
+    q, k, v = _random_attention_inputs(1, 4, 2, 64, 64, seed=9)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.25, mask="causal", sinks=sinks)
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    got = nkv_attention.attention(q, k, v, None, 0.25, "causal", sinks)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, monkeypatch):
     """A tiny model's chunked prefill and greedy decode: the same tokens with the row split forced as
     without it (the hook is off for the reference)."""
