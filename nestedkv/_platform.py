@@ -109,13 +109,16 @@ def load_openblas() -> bool:
     loaded first, fp32 matmuls are about 40x faster. On x86_64 the OpenBLAS kernel is chosen
     from the CPU's flags when that OpenBLAS would misdetect it (``openblas_coretype``); the
     variable is set only while the library loads. Returns True when OpenBLAS was loaded.
-    Does nothing elsewhere (Metal on macOS needs no BLAS) or when ``NKV_NO_OPENBLAS=1``.
+    Loads nothing elsewhere (Metal on macOS needs no BLAS) or when ``NKV_NO_OPENBLAS=1``; on Linux
+    it also applies ``tune_malloc``.
     """
     global _done
-    if _done or platform.system() != "Linux" or os.environ.get("NKV_NO_OPENBLAS") == "1":
+    if _done or platform.system() != "Linux":
         return False
     _done = True
-    tune_malloc(os.environ)
+    tune_malloc(os.environ)  # not tied to the BLAS: the opt-out below keeps it
+    if os.environ.get("NKV_NO_OPENBLAS") == "1":
+        return False
     if "mlx.core" in sys.modules:
         warnings.warn(
             "mlx was imported before nestedkv: the system OpenBLAS could not be loaded first; "
