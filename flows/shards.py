@@ -73,7 +73,6 @@ class FanOut:
 
     shards: list[Shard]
     input_errors: list[RowError]
-    errors_run_id: Optional[str] = None  # the run holding the batch's bad rows
     run_ids: list[str] = field(default_factory=list)
     savings: list[dict] = field(default_factory=list)
     n_documents: int = 0
@@ -261,7 +260,7 @@ def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, 
     flow_name = f"{config.task}-batch"
     deployment = f"{flow_name}/{name}"
     shard_list, errors = write_shards(input, config, folder, deployment, shards, shard_size)
-    errors_run_id = record_input_errors(db, config, input, errors)
+    record_input_errors(db, config, input, errors)
     if not shard_list:
         raise ShardError(f"{input}: no valid documents to run")
     settings = config_settings(config, input, db, options)
@@ -301,7 +300,7 @@ def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, 
                    for s in shard_list):
                 break
             time.sleep(POLL_S)
-        result = FanOut(shard_list, errors, errors_run_id)
+        result = FanOut(shard_list, errors)
         merge_summary(store, config, shard_list, result)
     result.wall_s = time.monotonic() - start
     bad = [s.label for s in shard_list if s.state in FINAL_BAD]

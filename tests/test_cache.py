@@ -24,13 +24,7 @@ from nestedkv import (
     reset_peak,
     stack,
 )
-
-
-def prefill(model, cache, toks, chunk=512):
-    for i in range(0, toks.shape[0], chunk):
-        logits = model(toks[None, i : i + chunk], cache=cache)
-    mx.eval(logits)
-    return logits
+from tiny import feed as prefill
 
 
 def greedy(logits):

@@ -25,15 +25,7 @@ from nestedkv import (
 from nestedkv.press import BasePress
 from nestedkv.scoring import block_size
 from nestedkv.streaming import StreamState
-
-
-def feed(model, cache, toks, chunk, each=None):
-    for i in range(0, toks.shape[0], chunk):
-        logits = model(toks[None, i : i + chunk], cache=cache)
-        mx.eval(logits, [c.state for c in cache])
-        if each is not None:
-            each(i + min(chunk, toks.shape[0] - i))
-    return logits
+from tiny import feed
 
 
 def streaming(press):

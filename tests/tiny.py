@@ -231,3 +231,14 @@ def sample_docs(n: int = 3, chars: int = 400) -> list[dict]:
     return [{"doc_id": f"doc-{i}", "title": f"Doc {i}", "text": (f"Document {i}. " + base * 20)[:chars],
              "questions": ["Who reads bytes?", "What is acknowledged?"], "answers": ["a tiny model", "a truth"]}
             for i in range(n)]
+
+
+def feed(model, cache, toks, chunk: int = 512, each=None):
+    """Prefill ``toks`` [N] in chunks, evaluating the cache after each; ``each(tokens_seen)`` after each chunk.
+    Returns the last chunk's logits."""
+    for i in range(0, toks.shape[0], chunk):
+        logits = model(toks[None, i : i + chunk], cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+        if each is not None:
+            each(i + min(chunk, toks.shape[0] - i))
+    return logits
