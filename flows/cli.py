@@ -242,7 +242,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     if pool or shards is not None or shard_size is not None:
         return run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation)
     from flows.batch import FLOWS, budget_sweep
-
+    from flows.deploy import config_settings
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
@@ -251,9 +251,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
         if len(configs) == 1:
             c = configs[0]
-            summary = FLOWS[c.task](input=input, press=c.press, compression_ratio=c.compression_ratio,
-                                    budget=c.budget, head_budget=c.head_budget, prefill=c.prefill,
-                                    press_params=c.press_params, model=c.model, db=db, options=options, hooks=hooks)
+            summary = FLOWS[c.task](**config_settings(c, input, db, options), hooks=hooks)
         else:
             summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                    reference=False, evaluate=False, options=options, hooks=hooks)
@@ -283,7 +281,7 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a fanned-out batch runs one press configuration: give one value per press option")
-    check_before_flow(input, model, db, options.wait, data_path)  # creates the lake with its data path
+    check_before_flow(input, model, db, options.wait, data_path, load=False)  # creates the lake with its data path
     with user_errors(), progress_bars() as bars:
         bar = {}
 
@@ -354,7 +352,7 @@ def serve(
     generation: dict = None,
 ):
     """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch, serve_sharded
+    from flows.deploy import ServerUnavailable, check_server, config_settings, deploy_batch, serve_batch, serve_sharded
 
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
@@ -363,9 +361,7 @@ def serve(
     if sharded:
         check_fan_out(db, pool, shards, shard_size)
     c = configs[0]
-    params = dict(name=name, cron=cron, input=input, press=c.press, compression_ratio=c.compression_ratio,
-                  budget=c.budget, head_budget=c.head_budget, prefill=c.prefill, press_params=c.press_params,
-                  model=c.model, db=db, options=options)
+    params = dict(name=name, cron=cron, **config_settings(c, input, db, options))
     try:
         check_server()  # first: without a server nothing else matters
         if pool and data_path:  # create the lake with its data path
@@ -404,16 +400,18 @@ def check_input_early(input: str) -> None:
         check_input(input, pages=True)
 
 
-def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None) -> None:
+def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None,
+                      load: bool = True) -> None:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
     leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
-    damaged file; the flow reuses this process's copy), and that the store opens for writing."""
-    from pipeline.models import load_model
+    damaged file; the flow reuses this process's copy), and that the store opens for writing.
+    ``load=False`` (a fan-out, whose workers load the model): the reference is only resolved."""
+    from pipeline.models import check_reference, load_model
     from pipeline.store import Store
 
     check_input_early(input)
     with user_errors():
-        load_model(model)  # resolves the reference first: a bad one fails before any loading
+        (load_model if load else check_reference)(model)  # a bad reference fails before any loading
         with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass

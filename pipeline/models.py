@@ -233,6 +233,11 @@ def load_model(ref: str | None = None, *, dtype: str | None = None):
         return _loaded[key]
 
 
+def check_reference(ref: str | None = None) -> None:
+    """Raise ``ModelLoadError`` (one line) for a reference that names no model, without loading it."""
+    _resolve(ref)
+
+
 def model_dir(ref: str | None = None) -> str:
     """An mlx-lm directory (or repo id) for a reference, converting a GGUF once if needed."""
     kind, location = _resolve(ref)
