@@ -25,6 +25,6 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def streams_for(parts: int) -> int:
-    """How many CPU streams ``parts`` independent pieces of work spread over."""
-    return max(1, min(parts, cpu_cores(), MAX_STREAMS))
+def streams_for(parts: int, cores: int | None = None) -> int:
+    """How many CPU streams ``parts`` independent pieces of work spread over (``cores``: this process's)."""
+    return max(1, min(parts, cpu_cores() if cores is None else cores, MAX_STREAMS))

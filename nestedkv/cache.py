@@ -23,7 +23,8 @@ exceed the budget is scored and evicted down to it, so it never holds more than 
 (per layer on average under adaptive budgets) and the chunk attends to the kept rows only. ``compress`` then
 brings it to exactly the final budget.
 
-Batching: ``stack`` batches compressed caches of the same context for decode (one entry per configuration).
+Batching: ``stack`` batches compressed caches for decode (configurations of one document, or different
+documents: each entry keeps its own rows and position).
 mlx-lm's ``merge`` into a ``BatchKVCache`` is refused: that would silently drop the compression.
 """
 
@@ -219,8 +220,8 @@ class NestedKVCache(KVCache):
     def merge(cls, caches):
         raise ValueError(
             "NestedKVCache cannot be merged into mlx-lm's batch cache (BatchKVCache): that would drop each "
-            "document's compression. Supported batching: nestedkv.stack(caches) batches compressed caches of "
-            "the same context for decode (several configurations at once); otherwise run documents one at a time"
+            "document's compression. Supported batching: nestedkv.stack(caches) batches compressed caches for "
+            "decode (several configurations or documents at once)"
         )
 
     @property
@@ -464,6 +465,10 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
 
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
+
+    Installs ``attention.attention`` in the model's module where it can (required for adaptive budgets).
+    That routes every model of that module through it from then on, whatever its cache: on the CPU its
+    long prefill chunks then take the row-split attention (within 1e-6 of mlx's, not bit-identical).
     """
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")

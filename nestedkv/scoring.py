@@ -12,7 +12,7 @@ import math
 import mlx.core as mx
 
 from nestedkv import _cpu
-from nestedkv._cpu import CHUNK_BYTES, MAX_STREAMS
+from nestedkv._cpu import CHUNK_BYTES
 from nestedkv._platform import cpu_cores
 
 EPS = 1e-6
@@ -151,12 +151,10 @@ def tail_gap(x: mx.array, tail: float = TAIL) -> mx.array:
 def head_plan(B: int, H: int, N: int, D: int, cores: int) -> list[list[tuple[int, int]]]:
     """How the CPU scores ``[B, H, N, D]`` keys: per stream, the head ranges it scores in turn.
 
-    Streams: mlx runs each CPU stream's element-wise work on one thread, so long contexts are
-    spread over up to ``MAX_STREAMS`` cores. Head ranges: each range's fp32 intermediates stay
-    within ``CHUNK_BYTES``, because mlx's CPU backend has no buffer cache and glibc maps every
-    buffer of 32 MiB or more afresh, so each one costs a page fault per 4 KiB.
+    Streams (``_cpu.streams_for``): long contexts are spread over the cores, heads apart. Head
+    ranges: each range's fp32 intermediates stay within ``_cpu.CHUNK_BYTES``.
     """
-    streams = min(H, cores, MAX_STREAMS) if N >= PARALLEL_MIN_N else 1
+    streams = _cpu.streams_for(H, cores) if N >= PARALLEL_MIN_N else 1
     per_range = max(1, CHUNK_BYTES // (B * N * D * 4))
     bounds = [round(i * H / streams) for i in range(streams + 1)]
     return [

@@ -192,9 +192,7 @@ def combine(
     mixing, surprise gate; the same steps as ``scoring.nestedkv_scores`` restricted to the valid rows."""
     vm = None if valid is None else valid[..., None]
     at = _masked_minmax(raw, vm)
-    if not all(scales):
-        if not any(scales):
-            raise ValueError("scales must enable at least one of (stable, episodic, current)")
+    if not all(scales):  # the press validated that at least one is on
         at = at[..., [i for i, on in enumerate(scales) if on]]
         prior = tuple(p for p, on in zip(prior, scales) if on)
     gap = _tail_gap(at, valid, tail)
