@@ -22,17 +22,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_scaleout import Postgres, pg_bindir  # noqa: E402
-from test_serve import NKV, PREFECT, clean_env, free_port, get, start, stop  # noqa: E402
+from test_serve import NKV, PREFECT, clean_env, free_port, get, start, stop, wait_for  # noqa: E402
 from tiny import sample_docs, write_batch  # noqa: E402
-
-
-def wait(what, check, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def main(argv=None) -> dict:
@@ -58,7 +49,7 @@ def main(argv=None) -> dict:
         db = "ducklake:postgres:" + pg.start()
         procs.append(start(PREFECT + ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
                            env, tmp / "server.log"))
-        wait("the Prefect server", lambda: get(f"{api}/health"), 150)
+        wait_for("the Prefect server", lambda: get(f"{api}/health"), 150)
         subprocess.run(PREFECT + ["work-pool", "create", "bench", "--type", "process"], env=env, check=True,
                        capture_output=True, timeout=120)
         for n_workers, ratio in ((1, "0.75"), (2, "0.5")):

@@ -161,8 +161,12 @@ def test_row_blocks_keep_attention_sinks(monkeypatch):
     sinks = mx.array([0.5, -1.0, 2.0, 0.0])
     want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.25, mask="causal", sinks=sinks)
     monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
-    got = nkv_attention.attention(q, k, v, None, 0.25, "causal", sinks)
+    plan = nkv_attention.row_plan(1, 4, 64, 64, 2)
+    assert len(plan) == 2
+    got = nkv_attention._by_rows(q, k, v, 0.25, "causal", sinks, plan)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.array(got), np.array(nkv_attention._sdpa(q, k, v, cache=None, scale=0.25,
+                                                                        mask="causal")), atol=1e-3)
 
 
 def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, monkeypatch):

@@ -72,4 +72,5 @@ def test_nestedkv_keeps_one_quarter_of_every_layer(env):
         assert lm["bytes_kept"] / lm["bytes_full"] == pytest.approx(1 - r, abs=1 / n)
         assert lm["bytes_resident"] == lm["bytes_kept"]
         assert lm["peak_prefill_kv_bytes"] >= lm["bytes_full"]  # the whole context was held while prefilling
+    assert any(lm["kept_min"] < lm["kept_max"] for lm in layers)  # adaptive: heads of a layer keep different counts
     assert savings[0]["kept_share"] == pytest.approx(1 - r, abs=0.001)

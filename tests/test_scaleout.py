@@ -163,9 +163,12 @@ def test_two_workers_fill_one_lake_and_survive_a_killed_worker(tmp_path):
         parent = start(run, env, parent_log)
         procs.append(parent), logs.append(parent_log)
         # `nkv query` reads the lake while the workers write into it
-        queried = wait_for("a stored document", lambda: (lambda r: r.returncode == 0 and json.loads(r.stdout)[0]["n"] > 0)(
-            query(env, db, "SELECT count(*) AS n FROM outputs")), 240, procs, logs)
-        assert queried and parent.poll() is None  # read while the batch was still being written
+        def read_while_running():
+            running = parent.poll() is None  # before the read: the batch was still being written during it
+            r = query(env, db, "SELECT count(*) AS n FROM outputs")
+            return running and r.returncode == 0 and json.loads(r.stdout)[0]["n"] > 0
+
+        assert wait_for("a stored document read while the batch runs", read_while_running, 240, procs, logs)
         assert finish(parent, parent_log, 240) == 0, parent_log.read_text()[-3000:]
         forget(parent)
         t_first = time.monotonic()

@@ -64,23 +64,24 @@ def test_needles_are_present_once_and_answer_their_question(docs):
         if d["task"] not in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
             continue
         for q, parts, evidence in zip(d["questions"], d["parts"], d["evidence"]):
-            key = re.search(r"\b([a-z]+-[a-z]+)\b", q).group(1)
             for part in parts:
                 assert len(re.findall(rf"\b{re.escape(part)}\b", d["text"])) == 1, (d["doc_id"], part)
                 # the one sentence holding the value names the question's key (for multi-query: one of two)
                 sentence = next(s for s in evidence if part in s)
                 assert sentence in d["text"]
                 keys = re.findall(r"\b([a-z]+-[a-z]+)\b", q)
-                assert any(k in sentence for k in keys), (q, sentence)
-            assert key in q
+                assert keys and any(k in sentence for k in keys), (q, sentence)
 
 
 def test_needles_sit_outside_quotations(docs):
+    checked = 0
     for d in docs:
         for sentence in {s for ev in d["evidence"] for s in ev if s in d["text"]}:
             start = d["text"].index(sentence)
             paragraph = d["text"][d["text"].rfind("\n\n", 0, start) + 2 : start]
             assert paragraph.count('"') % 2 == 0, (d["doc_id"], sentence)
+            checked += 1
+    assert checked > 0
 
 
 def resolve(text: str) -> dict:
