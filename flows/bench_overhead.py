@@ -14,15 +14,10 @@ import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
 import argparse
 import json
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+from pipeline.bench import timed as _timed
 
 
 @contextmanager

@@ -18,6 +18,13 @@ from pipeline.config import RunConfig
 from pipeline.engine import run
 
 
+def timed(fn):
+    """(seconds, result) of ``fn()``."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--input", default="data/sample_batch.parquet")

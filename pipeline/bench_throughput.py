@@ -14,21 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
+from pipeline.bench import timed as _timed
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
 from pipeline.store import Store
 
 ANSWERS = ("SELECT o.doc_id, o.question_idx, o.output FROM outputs o JOIN runs r USING (run_id) "
            "WHERE r.compression_ratio = ? ORDER BY ALL")
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def _answers(db: Path, ratio: float) -> list[dict]:

@@ -602,7 +602,7 @@ class Store:
         except BaseException:
             try:
                 self.con.execute("ROLLBACK")
-            except duckdb.Error:  # a failed COMMIT inside work has already ended the transaction
+            except duckdb.Error:  # the error may already have aborted the transaction
                 pass
             raise
         try:

@@ -555,8 +555,9 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     t0 = time.perf_counter()
     configs, ablation = opts.configs(), list(opts.ablation_configs())
     # the long documents run the ablation variants too, from the same one prefill
-    long = [d for d in todo if ablation and d["length"] >= opts.long_from]
-    short = [d for d in todo if d not in long]
+    is_long = [bool(ablation) and d["length"] >= opts.long_from for d in todo]
+    long = [d for d, lg in zip(todo, is_long) if lg]
+    short = [d for d, lg in zip(todo, is_long) if not lg]
     for part, want, name in ((short, configs, METHODS_FILE),
                              (long, configs + [c for c in ablation if c not in configs], ABLATION_FILE)):
         if part and configs:  # no methods: calibration only

@@ -259,12 +259,17 @@ def plan_niah_single(rng: random.Random) -> Plan:
                 [[s] for _, s, _, _ in facts], [v for *_, v in facts])
 
 
-def plan_niah_multikey(rng: random.Random) -> Plan:
+def _four_facts(rng: random.Random, questions: list[str]):
+    """(kind, noun, question template, four (key, value) facts, their sentences) for a multi-needle plan."""
     kind = rng.choice(sorted(NOUNS))
-    noun, statement, question = rng.choice(NOUNS[kind]), rng.choice(STATEMENTS), rng.choice(QUESTIONS)
+    noun, statement, question = rng.choice(NOUNS[kind]), rng.choice(STATEMENTS), rng.choice(questions)
     keys, values = set(), set()
     facts = [(k, _value(kind, rng, values)) for k in (_key(rng, keys) for _ in range(4))]
-    sentences = [statement.format(noun=noun, key=k, value=v) for k, v in facts]
+    return kind, noun, question, facts, [statement.format(noun=noun, key=k, value=v) for k, v in facts]
+
+
+def plan_niah_multikey(rng: random.Random) -> Plan:
+    kind, noun, question, facts, sentences = _four_facts(rng, QUESTIONS)
     return Plan(list(zip(_depths(rng, 4), sentences)), [question.format(noun=noun, key=k) for k, _ in facts],
                 [[v] for _, v in facts], [kind] * 4, [[s] for s in sentences], [v for _, v in facts])
 
@@ -283,11 +288,7 @@ def plan_niah_multivalue(rng: random.Random) -> Plan:
 
 
 def plan_niah_multiquery(rng: random.Random) -> Plan:
-    kind = rng.choice(sorted(NOUNS))
-    noun, statement, question = rng.choice(NOUNS[kind]), rng.choice(STATEMENTS), rng.choice(QUERY_QUESTIONS)
-    keys, values = set(), set()
-    facts = [(k, _value(kind, rng, values)) for k in (_key(rng, keys) for _ in range(4))]
-    sentences = [statement.format(noun=noun, key=k, value=v) for k, v in facts]
+    kind, noun, question, facts, sentences = _four_facts(rng, QUERY_QUESTIONS)
     order = list(range(4))
     rng.shuffle(order)
     pairs = [order[:2], order[2:]]
