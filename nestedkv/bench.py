@@ -255,6 +255,8 @@ def report(out: dict) -> str:
         else:
             core = f"{blas['corename']} (detected by OpenBLAS)" if blas["corename"] else "-"
         lines.append(f"BLAS {blas['library']}  kernel {core}")
+        if blas.get("thread_timeout_set"):
+            lines.append(f"  idle BLAS threads sleep at once (OPENBLAS_THREAD_TIMEOUT={blas['thread_timeout_set']} set by nestedkv)")
         floor = f"  (expected >= {blas['floor_gflops']:.0f})" if blas["floor_gflops"] else ""
         lines.append(f"  fp32 GEMM {blas['gemm_n']}x{blas['gemm_n']}: {blas['gemm_gflops']:.1f} GFLOP/s{floor}")
         if blas["warning"]:

@@ -95,7 +95,8 @@ spec.loader.exec_module(m)
 if sys.argv[2] == "spr":
     m.read_cpuinfo = lambda path="/proc/cpuinfo": m.CpuInfo("GenuineIntel", 6, m.AVX512 | m.AVX2)
 loaded = m.load_openblas()
-print(json.dumps({"loaded": loaded, "env_after": os.environ.get("OPENBLAS_CORETYPE"), **m.blas_info()}))
+print(json.dumps({"loaded": loaded, "env_after": os.environ.get("OPENBLAS_CORETYPE"),
+                  "timeout_after": os.environ.get("OPENBLAS_THREAD_TIMEOUT"), **m.blas_info()}))
 """
 
 
@@ -121,6 +122,20 @@ def test_misdetected_cpu_gets_the_kernel_only_while_loading():
             assert got["corename"].upper() == "SKYLAKEX"
     else:  # this machine's own setting is left alone
         assert got["coretype_set"] is None and got["env_after"] == user
+
+
+def test_idle_openblas_threads_sleep_unless_the_user_says_otherwise():
+    assert P.openblas_load_env(None, {}) == {"OPENBLAS_THREAD_TIMEOUT": "4"}
+    assert P.openblas_load_env("SKYLAKEX", {"OPENBLAS_THREAD_TIMEOUT": "28"}) == {"OPENBLAS_CORETYPE": "SKYLAKEX"}
+
+
+@needs_openblas
+def test_thread_timeout_is_set_only_while_loading():
+    env = {k: v for k, v in os.environ.items() if k not in ("NKV_NO_OPENBLAS", "OPENBLAS_THREAD_TIMEOUT")}
+    got = _child("spr", env)
+    assert got["loaded"] and got["thread_timeout_set"] == "4" and got["timeout_after"] is None
+    got = _child("spr", dict(env, OPENBLAS_THREAD_TIMEOUT="20"))
+    assert got["thread_timeout_set"] is None and got["timeout_after"] == "20"
 
 
 @needs_openblas
