@@ -41,6 +41,7 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 
 import nestedkv.attention as _attention
 from nestedkv.accounting import LayerMemory
+from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
 from nestedkv.press import BasePress, NoPress
 from nestedkv.selection import select
@@ -466,9 +467,10 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
 
-    Installs ``attention.attention`` in the model's module where it can (required for adaptive budgets).
-    That routes every model of that module through it from then on, whatever its cache: on the CPU its
-    long prefill chunks then take the row-split attention (within 1e-6 of mlx's, not bit-identical).
+    Installs ``attention.attention`` in the model's module where it can (required for adaptive budgets),
+    and ``activations.swiglu``. That routes every model of that module through them from then on, whatever
+    its cache: on the CPU its long prefill chunks then take the row-split attention, and its SwiGLU a
+    power of 2 for exp (each within 1e-6 of mlx's, not bit-identical).
     """
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
@@ -481,6 +483,7 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
             )
     # Adaptive budgets need the hook; elsewhere it only speeds CPU prefill, so a model without it runs as is.
     install_attention_hook(model, required=press is not None and press.head_budget == "adaptive")
+    install_swiglu_hook(model)
     return [NestedKVCache(press, context_len) for _ in defaults]
 
 
