@@ -18,6 +18,7 @@ from pipeline.prompts import build_prompt, encode, question_text
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 
 Progress = Callable[[int, int], None]
+REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
 
 
 @dataclass
@@ -48,6 +49,20 @@ def prefill(model, cache, ids: list[int], step: int, on_progress: Optional[Progr
             on_progress(min(start + step, n), n)
 
 
+def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float) -> mx.array:
+    """mlx-lm's repetition penalty (``make_repetition_penalty``) on every row of ``logits`` [B, vocab] at once,
+    each row with the last ``REPETITION_CONTEXT`` tokens of its own history; the same values, row by row."""
+    recent = [h[-REPETITION_CONTEXT:] for h in histories]
+    if not all(recent):
+        raise ValueError("every row needs a history (its question's tokens at least)")
+    width = max(map(len, recent))
+    # A repeated token takes the same penalized value again, so rows are padded with their first token.
+    idx = mx.array([r + r[:1] * (width - len(r)) for r in recent], dtype=mx.int32)
+    picked = mx.take_along_axis(logits, idx, axis=-1)
+    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+    return mx.put_along_axis(logits, idx, picked, axis=-1)
+
+
 def rewind(cache) -> None:
     for c in cache:
         c.rewind()
@@ -63,9 +78,10 @@ class Runner:
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
         penalty = config.repetition_penalty
+        self.penalty = penalty if penalty and penalty != 1.0 else None
         self.logits_processors = (
-            make_logits_processors(repetition_penalty=penalty, repetition_context_size=64)
-            if penalty and penalty != 1.0
+            make_logits_processors(repetition_penalty=penalty, repetition_context_size=REPETITION_CONTEXT)
+            if self.penalty
             else None
         )
 
@@ -237,7 +253,7 @@ class Runner:
                 try:
                     logits = self.model(mx.array(list(q_ids) + extra, dtype=mx.int32)[None], cache=e.cache)[0]
                     tail = logits[len(q_ids) - 1 :].astype(mx.float32)
-                    nxt = self._pick(list(q_ids), tail[:1])
+                    nxt = self._greedy([list(q_ids)], tail[:1])[0]
                     mx.eval(tail)
                     for c in e.cache:
                         c.trim(len(extra))  # keep only the question appended
@@ -273,14 +289,14 @@ class Runner:
             close_questions(e.result)
         return scores
 
-    def _pick(self, history: list[int], logits) -> int:
-        """The greedy next token after ``history`` from ``logits`` [1, vocab], through the logits processors
-        exactly as mlx-lm's generate_step applies them (history = question and generated tokens)."""
-        if self.logits_processors:
-            tokens = mx.array(history, dtype=mx.int32)
-            for processor in self.logits_processors:
-                logits = processor(tokens, logits)
-        return int(mx.argmax(logits[0]).item())
+    def _greedy(self, histories: list[list[int]], logits) -> list[int]:
+        """The greedy next token of each row of ``logits`` [B, vocab] after its history (question and
+        generated tokens), penalized as mlx-lm's generate_step does with ``self.logits_processors``."""
+        if self.penalty:
+            logits = penalize_repeats(logits, histories, self.penalty)
+        nxt = mx.argmax(logits, axis=-1)
+        mx.eval(nxt)
+        return [int(t) for t in nxt.tolist()]
 
     def _decode_together(self, caches: list, first: list[int], histories: list[list[int]]) -> list[tuple[list[int], float]]:
         """Greedy decode for a batch whose first tokens are known; per entry (token ids, its share of time).
@@ -301,14 +317,9 @@ class Runner:
             if all(done) or step == max_new - 1:
                 break
             logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=stacked)[:, -1, :]
-            if self.logits_processors:
-                for b in range(len(tokens)):
-                    histories[b].append(tokens[b])
-                tokens = [self._pick(h, logits[b : b + 1]) for b, h in enumerate(histories)]
-            else:
-                nxt = mx.argmax(logits, axis=-1)
-                mx.eval(nxt)
-                tokens = [int(t) for t in nxt.tolist()]
+            for h, t in zip(histories, tokens):
+                h.append(t)
+            tokens = self._greedy(histories, logits)
         share = (time.perf_counter() - t0) / len(first)
         return [(ids, share) for ids in out]
 

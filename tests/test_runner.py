@@ -2,6 +2,7 @@
 
 import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
 
+import mlx.core as mx
 import pytest
 
 from pipeline.config import RunConfig
@@ -124,3 +125,20 @@ def test_summaries_default_to_a_mild_repetition_penalty_and_qa_to_plain_greedy()
     assert make_runner(task="summarize").logits_processors
     assert make_runner(task="qa").logits_processors is None
     assert make_runner(task="summarize", repetition_penalty=1.0).logits_processors is None
+
+
+def test_batched_repetition_penalty_equals_mlx_lms_row_by_row():
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    from pipeline.runner import REPETITION_CONTEXT, penalize_repeats
+
+    logits = mx.random.normal((3, 50), key=mx.random.key(0)) * 4
+    histories = [[7], [3, 3, 9, 3, 41], [i % 50 for i in range(100)]]  # one token; repeats; longer than the context
+    got = penalize_repeats(logits, histories, 1.3)
+    processor = make_repetition_penalty(1.3, REPETITION_CONTEXT)
+    for b, h in enumerate(histories):
+        want = processor(mx.array(h, dtype=mx.int32), logits[b : b + 1])
+        assert mx.array_equal(got[b : b + 1], want).item()
+    assert not mx.array_equal(got, logits).item()
+    with pytest.raises(ValueError, match="history"):
+        penalize_repeats(logits, [[1], [], [2]], 1.3)
