@@ -345,14 +345,14 @@ def test_layers_with_different_stored_lengths(tiny_model, tokens):
 # -- (10) adaptive: per-head masks and accounting -----------------------------------------------
 def _capture_attention(monkeypatch):
     calls = []
-    orig = nkv_attention._sdpa
+    orig = nkv_attention._attend  # what every layout ends in, with its final mask
 
     def spy(queries, keys, values, cache, scale, mask, sinks=None):
-        out = orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        out = orig(queries, keys, values, cache, scale, mask, sinks)
         calls.append((cache, queries, keys, values, scale, out))
         return out
 
-    monkeypatch.setattr(nkv_attention, "_sdpa", spy)
+    monkeypatch.setattr(nkv_attention, "_attend", spy)
     return calls
 
 
