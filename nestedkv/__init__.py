@@ -6,7 +6,7 @@ load_openblas()
 
 from nestedkv.accounting import LayerMemory, layer_stats, peak_kv_bytes, reset_peak  # noqa: E402
 from nestedkv.attention import head_mask, install_attention_hook  # noqa: E402
-from nestedkv.cache import NestedKVCache, clone, compress, make_cache, stack  # noqa: E402
+from nestedkv.cache import NestedKVCache, clone, compress, make_cache, stack, take  # noqa: E402
 from nestedkv.press import (  # noqa: E402
     PREFILL_MODES,
     PRESSES,
@@ -42,4 +42,5 @@ __all__ = [
     "peak_kv_bytes",
     "reset_peak",
     "stack",
+    "take",
 ]

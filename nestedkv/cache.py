@@ -565,3 +565,25 @@ def stack(caches: Sequence[list]) -> list:
         s._note_peak()
         out.append(s)
     return out
+
+
+def take(stacked: list, rows: Sequence[int]) -> list:
+    """The entries at batch positions ``rows`` of a cache made by ``stack``, as a stacked cache of their own:
+    entries that finished decoding leave the batch, so later steps compute only the others."""
+    rows = list(rows)
+    for c in stacked:
+        if not isinstance(c, NestedKVCache) or c.valid is None or c.keys is None:
+            raise TypeError("take needs a cache made by nestedkv.stack")
+    B = stacked[0].keys.shape[0] if stacked else 0
+    if not rows or any(not 0 <= r < B for r in rows):
+        raise ValueError(f"rows must be positions in the batch of {B}, got {rows}")
+    idx = mx.array(rows, dtype=mx.int32)
+    out = []
+    for c in stacked:
+        s = NestedKVCache(NoPress())
+        s.keys, s.values, s.kept, s.valid = c.keys[idx], c.values[idx], c.kept[idx], c.valid[idx]
+        s.offset = c.offset if isinstance(c.offset, int) else c.offset[idx]
+        s.context_len, s.n_ctx_rows, s.stored = c.context_len, c.n_ctx_rows, c.stored
+        s._note_peak()
+        out.append(s)
+    return out

@@ -304,22 +304,23 @@ class Runner:
         t0 = time.perf_counter()
         stacked = nestedkv.stack(caches)
         out: list[list[int]] = [[] for _ in first]
-        done = [False] * len(first)
-        tokens = list(first)
+        live = list(range(len(first)))  # entries still decoding, in batch order
+        tokens = list(first)  # each live entry's next token
         max_new = self.config.max_new_tokens
         for step in range(max_new):
-            for b, t in enumerate(tokens):
-                if not done[b]:
-                    if t in self.eos:
-                        done[b] = True
-                    else:
-                        out[b].append(t)
-            if all(done) or step == max_new - 1:
+            going = [i for i, t in enumerate(tokens) if t not in self.eos]
+            for i in going:
+                out[live[i]].append(tokens[i])
+            if not going or step == max_new - 1:
                 break
+            if len(going) < len(live):  # finished entries leave the batch
+                stacked = nestedkv.take(stacked, going)
+                live, tokens = [live[i] for i in going], [tokens[i] for i in going]
             logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=stacked)[:, -1, :]
-            for h, t in zip(histories, tokens):
+            rows = [histories[b] for b in live]
+            for h, t in zip(rows, tokens):
                 h.append(t)
-            tokens = self._greedy(histories, logits)
+            tokens = self._greedy(rows, logits)
         share = (time.perf_counter() - t0) / len(first)
         return [(ids, share) for ids in out]
 

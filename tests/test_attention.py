@@ -18,6 +18,7 @@ from nestedkv import (
     install_attention_hook,
     make_cache,
     stack,
+    take,
 )
 
 
@@ -249,6 +250,16 @@ def test_stack_decodes_different_documents_like_each_alone(tiny_model, tokens):
     assert batch[0].offset.tolist() == offsets  # one position per entry
     y = mx.array([[7], [8], [9]], dtype=mx.int32)
     decode_together_and_alone(model, batch, alone, y)
+    # Entries leave the batch (here the middle one; the others swap places) and decode on as before.
+    rest = take(batch, [2, 0])
+    assert rest[0].keys.shape[0] == 2 and rest[0].offset.tolist() == [offsets[2] + 3, offsets[0] + 3]
+    decode_together_and_alone(model, rest, [alone[2], alone[0]], mx.array([[5], [6]], dtype=mx.int32))
+    with pytest.raises(ValueError, match="positions in the batch of 3"):
+        take(batch, [3])
+    with pytest.raises(ValueError, match="positions in the batch"):
+        take(batch, [])
+    with pytest.raises(TypeError, match="nestedkv.stack"):
+        take(alone[0], [0])
 
 
 @pytest.mark.e2e
