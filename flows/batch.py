@@ -210,16 +210,13 @@ def sharded_batch(
             now = (s.state, s.done, s.attempt, s.skipped)
             if seen.get(s.index) != now:
                 seen[s.index] = now
-                state = "done before" if s.skipped else s.state.lower()
-                log.info("%s: %s, %d/%d documents stored (attempt %d)", s.label, state, s.done, len(s.docs), s.attempt)
+                log.info("%s: %s, %d/%d documents stored", s.label, s.status(), s.done, len(s.docs))
 
     result = fan_out(input, config, db, pool, options, shards=shards, shard_size=shard_size, data_path=data_path,
                      on_progress=on_progress, log=log.warning)
     for err in result.input_errors:
         log.warning("skipped input row: %s", err)
-    line = (f"{len(result.shards)} shards ({sum(s.skipped for s in result.shards)} done before), {len(result.run_ids)} "
-            f"runs, {result.n_ok} of {result.n_documents} documents done, {result.n_failed} failed, "
-            f"{len(result.input_errors)} bad rows, {result.wall_s:.0f} s")
+    line = result.summary()
     log.info(line)
     artifacts.publish_tables("sharded-batch", result.savings, [], result.run_ids)
     if result.n_ok < result.n_documents:

@@ -287,10 +287,9 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
 
         def on_progress(shard_list):
             for s in shard_list:
-                state = "done before" if s.skipped else s.state.lower() + (f", attempt {s.attempt}" if s.attempt else "")
                 if s.index not in bar:
                     bar[s.index] = bars.add_task("", total=len(s.docs))
-                bars.update(bar[s.index], completed=s.done, description=markup_safe(f"{s.label} ({state})"))
+                bars.update(bar[s.index], completed=s.done, description=markup_safe(f"{s.label} ({s.status()})"))
 
         try:
             result = fan_out(input, configs[0], db, pool, options, shards=shards, shard_size=shard_size,
@@ -302,10 +301,7 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
     for err in result.input_errors:
         say(f"skipped row {err.row} ({err.doc_id or 'no doc_id'}) in {err.source}: {err.field}: {err.message}",
             style="yellow")
-    before = sum(s.skipped for s in result.shards)
-    say(f"{len(result.shards)} shards ({before} done before), {len(result.run_ids)} runs, {result.n_ok} of "
-        f"{result.n_documents} documents done, {result.n_failed} failed, {len(result.input_errors)} bad rows, "
-        f"{result.wall_s:.0f} s -> {db}")
+    say(f"{result.summary()} -> {db}")
     if result.savings:
         print_table(pa.Table.from_pylist(result.savings), title="memory savings")
     if result.n_ok < result.n_documents:

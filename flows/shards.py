@@ -66,6 +66,12 @@ class Shard:
     def idempotency_key(self) -> str:
         return f"{self.key}-a{self.attempt}"
 
+    def status(self) -> str:
+        """For progress lines: "done before", or the flow run's state and, after a retry, the attempt."""
+        if self.skipped:
+            return "done before"
+        return self.state.lower() + (f", attempt {self.attempt}" if self.attempt else "")
+
 
 @dataclass
 class FanOut:
@@ -79,6 +85,12 @@ class FanOut:
     n_ok: int = 0
     n_failed: int = 0
     wall_s: float = 0.0
+
+    def summary(self) -> str:
+        before = sum(s.skipped for s in self.shards)
+        return (f"{len(self.shards)} shards ({before} done before), {len(self.run_ids)} runs, {self.n_ok} of "
+                f"{self.n_documents} documents done, {self.n_failed} failed, {len(self.input_errors)} bad rows, "
+                f"{self.wall_s:.0f} s")
 
 
 def shard_counts(n_docs: int, shards: Optional[int], shard_size: Optional[int]) -> list[int]:

@@ -383,3 +383,16 @@ def test_bad_rows_of_a_fanned_out_batch_are_recorded_once(tmp_path):
                            "JOIN input_errors e USING (run_id)").to_pylist()
     assert rows == [{"run_id": run_id, "input": inp, "status": "completed", "n_errors": 1, "doc_id": "empty",
                      "field": "text"}]
+
+
+def test_shard_status_and_fan_out_summary_read_as_the_cli_and_the_flow_print_them():
+    from flows.shards import FanOut, Shard
+
+    a, b = Shard(0, 2, Path("a.parquet"), [], "k"), Shard(1, 2, Path("b.parquet"), [], "k")
+    assert a.status() == "pending"
+    a.state, a.attempt = "RUNNING", 1
+    assert a.status() == "running, attempt 1"
+    b.skipped = True
+    assert b.status() == "done before"
+    out = FanOut([a, b], [], run_ids=["r1"], n_documents=3, n_ok=2, n_failed=1, wall_s=4.4)
+    assert out.summary() == "2 shards (1 done before), 1 runs, 2 of 3 documents done, 1 failed, 0 bad rows, 4 s"
