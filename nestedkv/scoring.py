@@ -174,22 +174,20 @@ def _by_heads(fn, keys: mx.array, plan: list[list[tuple[int, int]]] | None = Non
     if len(plan) == 1:
         parts = [fn(keys[:, lo:hi]) for lo, hi in plan[0]]
     else:
-        parts = [None] * sum(map(len, plan))
         # Waves: the w-th range of every stream, evaluated before the next wave is built. Left to one
         # graph, mlx interleaves the ranges' steps and keeps every range's intermediates alive at once
         # (at 32k tokens, 8 heads: 205 ms instead of 132).
+        per_stream: list[list[mx.array]] = [[] for _ in plan]
         waves = max(map(len, plan))
         for w in range(waves):
-            wave = []
             for i, ranges in enumerate(plan):
                 if w < len(ranges):
                     lo, hi = ranges[w]
                     with mx.stream(_cpu.stream(i)):
-                        wave.append((sum(map(len, plan[:i])) + w, fn(keys[:, lo:hi])))
+                        per_stream[i].append(fn(keys[:, lo:hi]))
             if waves > 1:
-                mx.eval([p for _, p in wave])
-            for at, p in wave:
-                parts[at] = p
+                mx.eval([out[w] for out in per_stream if w < len(out)])
+        parts = [p for out in per_stream for p in out]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
