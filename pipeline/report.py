@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import pyarrow as pa
 
-from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, ROUGE_L, TOP1
+from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
 from pipeline.store import Store, StoreError
 
 PRESS_ORDER = ("no_press", "nestedkv", "keydiff", "knorm", "streaming_llm", "random")
@@ -41,7 +41,9 @@ SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_va
        avg(value) FILTER (WHERE metric = '{AGREE_EXACT}') AS agree_exact,
        avg(value) FILTER (WHERE metric = '{ROUGE_L}') AS rouge_l,
        avg(value) FILTER (WHERE metric = '{DELTA_NLL}') AS delta_nll,
-       avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement
+       avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement,
+       avg(value) FILTER (WHERE metric = '{GOLD_NLL}') AS gold_nll,
+       avg(value) FILTER (WHERE metric = '{DELTA_GOLD_NLL}') AS delta_gold_nll
 FROM ev GROUP BY config_hash
 """
 
@@ -72,6 +74,8 @@ COLUMNS = [  # (key, header, format)
     ("rouge_l", "ROUGE-L", "{:.3f}"),
     ("delta_nll", "delta NLL", "{:+.3f}"),
     ("top1_agreement", "top-1 agree", "{:.3f}"),
+    ("gold_nll", "gold NLL", "{:.3f}"),
+    ("delta_gold_nll", "delta gold NLL", "{:+.3f}"),
     ("kept_share", "KV kept", "{:.3f}"),
     ("resident_share", "KV resident", "{:.3f}"),
 ]
@@ -158,6 +162,9 @@ def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
         "- **agree exact**, **ROUGE-L**: the answer against the `no_press` answer to the same question.",
         "- **delta NLL** (nats per token, lower is better) and **top-1 agree**: teacher-forced along the "
         "`no_press` answer, compressed cache against full cache.",
+        "- **gold NLL** (nats per token): teacher-forced NLL of the gold answer after the question; "
+        "**delta gold NLL**: the same minus its value under the full cache (lower is better). It separates "
+        "methods even where greedy accuracy is at the floor.",
         f"- With {n_q} questions the standard error of an accuracy near 0.5 is about "
         f"{_se(0.5, n_q):.2f}; differences smaller than about twice that are within noise.",
         "",

@@ -281,6 +281,8 @@ class Runner:
                 if e.reference is not None:
                     s = {} if q.status != OK else score_answer(q.output, gold=q.gold, reference=e.reference.answers[k])
                     s.update(teacher.get(e.key, {}))
+                    if q.status == OK:
+                        s.update(e.reference.gold_scores(self.model, e.cache, k, e.prepared.questions[k][1]))
                     scores[e.key].append(s)
         peak = mx.get_peak_memory()
         for e in entries:

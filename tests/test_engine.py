@@ -104,10 +104,12 @@ def test_zero_ratio_configuration_agrees_exactly_with_the_reference(runner):
     ref, res = items[0].result, items[1].result
     assert [q.output for q in res.questions] == [q.output for q in ref.questions]
     ref_scores, scores = items[0].scores, items[1].scores
-    assert all(set(s) == {"correct"} for s in ref_scores)  # the reference is scored against gold only
-    for s in scores:
+    assert all(set(s) == {"correct", "gold_nll"} for s in ref_scores)  # the reference is scored against gold only
+    for s, r in zip(scores, ref_scores):
         assert s["agree_exact"] == 1.0 and s["rouge_l"] == 1.0 and s["top1_agreement"] == 1.0
         assert s["delta_nll"] == pytest.approx(0.0, abs=1e-6)
+        assert s["gold_nll"] == pytest.approx(r["gold_nll"], abs=1e-6) and s["gold_nll"] > 0
+        assert s["delta_gold_nll"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_evaluate_scores_every_compressed_configuration(runner):
@@ -115,11 +117,15 @@ def test_evaluate_scores_every_compressed_configuration(runner):
     for item in items[1:]:
         assert len(item.scores) == 2
         for s in item.scores:
-            assert set(s) == {"correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"}
+            assert set(s) == {"correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement", "gold_nll",
+                              "delta_gold_nll"}
     far = {(o.config.press, o.config.compression_ratio): o.scores for o in items}
     # evicting 90% of the context moves the model further from the full cache than evicting 50%
-    mean = lambda ss: sum(s["delta_nll"] for s in ss) / len(ss)  # noqa: E731
+    mean = lambda ss, m="delta_nll": sum(s[m] for s in ss) / len(ss)  # noqa: E731
     assert mean(far[("keydiff", 0.9)]) > mean(far[("keydiff", 0.5)])
+    for s, full in zip(far[("keydiff", 0.9)], items[0].scores):  # against the full cache's NLL of the same gold
+        assert s["gold_nll"] - s["delta_gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-9)
+        assert s["delta_gold_nll"] != 0.0
 
 
 def test_gold_kept_metric_hook(runner):
@@ -195,7 +201,7 @@ def test_run_stores_runs_and_evaluations_and_resumes(tmp_path, monkeypatch, pref
             assert q("SELECT count(*) AS n FROM outputs")[0]["n"] == n_runs * 2 * 2
             ev = q("SELECT e.*, r.press FROM evaluations e JOIN runs r USING (run_id)")
             for e in ev:
-                if e["metric"] == "correct":
+                if e["metric"] in ("correct", "gold_nll"):
                     assert e["reference_run_id"] is None
                 else:
                     assert e["reference_run_id"] == ref_id and e["press"] != "no_press"
@@ -204,6 +210,7 @@ def test_run_stores_runs_and_evaluations_and_resumes(tmp_path, monkeypatch, pref
                 per_metric[(e["press"], e["metric"])] = per_metric.get((e["press"], e["metric"]), 0) + 1
             assert per_metric[("no_press", "correct")] == 4
             assert per_metric[("nestedkv", "delta_nll")] == 4 * 4  # 4 configs x 2 docs x 2 questions
+            assert per_metric[("no_press", "gold_nll")] == 4 and per_metric[("nestedkv", "delta_gold_nll")] == 4 * 4
             view = q("SELECT * FROM quality_vs_full")
             assert {v["reference_run_id"] for v in view} == {ref_id}
             acc = [v for v in view if v["metric"] == "correct"]

@@ -96,8 +96,9 @@ def test_policy_follows_device_and_override():
 # Tiny GGUF files (written by llama.cpp's gguf package) -> mlx-lm
 
 
-def _reference(model, gguf_path):
-    """The tiny model's parameters as the GGUF stores them: llama.cpp's own dequantization, HF row order."""
+def _reference(model, gguf_path, permuted: bool = True):
+    """The tiny model's parameters as the GGUF stores them: llama.cpp's own dequantization, HF row order
+    (``permuted``: llama.cpp reordered the Q/K rows, as it does for llama)."""
     import gguf
 
     deq = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(gguf_path).tensors}
@@ -105,7 +106,7 @@ def _reference(model, gguf_path):
     for name, _ in tree_flatten(model.parameters()):
         key = gguf_name(name)
         v = mx.array(deq[key])
-        if key.endswith(("attn_q.weight", "attn_k.weight")):
+        if permuted and key.endswith(("attn_q.weight", "attn_k.weight")):
             v = gguf_import.unpermute_rows(v, a.num_attention_heads if "attn_q" in key else a.num_key_value_heads)
         out[name] = np.array(v)
     return out
@@ -145,6 +146,35 @@ def test_tiny_gguf_converts_to_llama_cpp_weights(empty_cache, tmp_path, qtype, b
     assert tok.encode("héllo", add_special_tokens=False) == list("héllo".encode())
     assert tok.decode(tok.encode("héllo", add_special_tokens=False)) == "héllo"
     assert tok.eos_token_id == EOS
+
+
+def test_tiny_qwen2_gguf_converts_with_biases_in_hugging_face_row_order(empty_cache, tmp_path):
+    model = make_tiny_model("qwen2", seed=7)
+    path = save_tiny_gguf(tmp_path / "tiny-qwen2.gguf", model, qtype="Q8_0", arch="qwen2")
+    stored, config = _stored(path)
+    assert config["model_type"] == "qwen2" and config["quantization"]["bits"] == 8
+    assert "model.layers.0.self_attn.k_proj.bias" in stored  # q/k/v biases are kept
+    ref = _reference(model, path, permuted=False)  # NeoX rope: llama.cpp keeps Hugging Face row order
+    assert sorted(stored) == sorted(ref)
+    for k in ref:
+        np.testing.assert_allclose(stored[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    loaded, tok = load_model(str(path), dtype="float32")
+    reference = make_tiny_model("qwen2", seed=7)
+    reference.update(tree_unflatten([(k, mx.array(v)) for k, v in ref.items()]))
+    x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    np.testing.assert_allclose(np.array(loaded(x)), np.array(reference(x)), atol=2e-2)  # as the llama test
+    pieces = [p for p, _ in tok._tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("it's 2024!")]
+    assert pieces == ["it", "'s", "Ġ", "2", "0", "2", "4", "!"]  # Qwen2's split: digits one by one
+    assert tok.decode(tok.encode("it's 2024!", add_special_tokens=False)) == "it's 2024!"
+
+
+def test_stop_tokens_add_the_document_end_of_instruct_models():
+    tokens = ["a", "<|endoftext|>", "<|im_end|>"]
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1, 3, 3],
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 1}
+    assert gguf_import.stop_tokens(meta) == [2, 1]
+    assert gguf_import.stop_tokens({**meta, "tokenizer.ggml.token_type": [1, 1, 3]}) == 2  # not a control token
+    assert gguf_import.stop_tokens({**meta, "tokenizer.ggml.eot_token_id": 0}) == [2, 0, 1]
 
 
 def test_types_mx_load_cannot_read_are_dequantized_by_gguf(empty_cache, tmp_path):
@@ -210,8 +240,10 @@ def test_missing_metadata_and_other_architectures_are_named(empty_cache, tmp_pat
 
     with pytest.raises(ModelLoadError, match="bare.gguf.*'llama.attention.head_count' is missing"):
         load_model(write("bare.gguf", "llama"))
-    with pytest.raises(ModelLoadError, match="architecture 'qwen2' is not supported"):
+    with pytest.raises(ModelLoadError, match="qwen.gguf.*'qwen2.attention.head_count' is missing"):
         load_model(write("qwen.gguf", "qwen2"))
+    with pytest.raises(ModelLoadError, match="architecture 'gemma' is not supported.*llama, qwen2"):
+        load_model(write("gemma.gguf", "gemma"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -155,10 +155,10 @@ _GGUF_LAYER = {
 
 
 def gguf_name(name: str) -> str:
-    """llama.cpp's tensor name for an mlx-lm llama parameter name (written independently of the importer)."""
-    parts = name.split(".")  # model.layers.<i>.<module path>.weight | model.embed_tokens.weight | model.norm.weight
+    """llama.cpp's tensor name for an mlx-lm llama/qwen2 parameter name (written independently of the importer)."""
+    parts = name.split(".")  # model.layers.<i>.<module path>.weight|bias | model.embed_tokens.weight | model.norm.weight
     if parts[1] == "layers":
-        return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.weight"
+        return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
     return {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight"}[parts[1]]
 
 
@@ -169,9 +169,10 @@ def llama_cpp_permute(x, n_heads: int):
 
 def save_tiny_gguf(path, model: nn.Module | None = None, *, qtype: str = "Q8_0", embed_qtype: str | None = None,
                    arch: str = "llama") -> Path:
-    """A llama model (default: ``tiny_model()``) as llama.cpp writes it: GGUF names, Q/K rows permuted for
-    its rope, norms in F32, the other matrices in ``qtype`` (the embedding in ``embed_qtype`` or ``qtype``),
-    and the byte-level vocabulary of ``save_tiny_model_dir``."""
+    """A llama (default: ``tiny_model()``) or qwen2 model as llama.cpp writes it: GGUF names, Q/K rows
+    permuted for its rope (llama only: qwen2 uses NeoX rope), norms and biases in F32, the other matrices in
+    ``qtype`` (the embedding in ``embed_qtype`` or ``qtype``), and the byte-level vocabulary of
+    ``save_tiny_model_dir`` with the architecture's pre-tokenizer."""
     import gguf
     import numpy as np
     from mlx.utils import tree_flatten
@@ -188,7 +189,7 @@ def save_tiny_gguf(path, model: nn.Module | None = None, *, qtype: str = "Q8_0",
     w.add_layer_norm_rms_eps(a.rms_norm_eps)
     w.add_rope_freq_base(a.rope_theta)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "gpt-2")
     w.add_token_list(_byte_chars())
     w.add_token_types([3 if i == EOS else 1 for i in range(VOCAB)])  # 3 = control token
     w.add_eos_token_id(EOS)
@@ -196,7 +197,7 @@ def save_tiny_gguf(path, model: nn.Module | None = None, *, qtype: str = "Q8_0",
     for name, p in tree_flatten(model.parameters()):
         x = np.array(p.astype(mx.float32))
         gname = gguf_name(name)
-        if gname.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             x = llama_cpp_permute(x, a.num_attention_heads if "attn_q" in gname else a.num_key_value_heads)
         qt = "F32" if x.ndim == 1 else (embed_qtype or qtype) if gname == "token_embd.weight" else qtype
         t = gguf.GGMLQuantizationType[qt]
