@@ -494,6 +494,8 @@ def suite(
     all_tasks: bool = typer.Option(False, "--all-tasks", help="run the methods on cells below the threshold too"),
     ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="NestedKV's per-scale variants on the "
                                   "long documents"),
+    variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated subset of those variants "
+                                           "(default: all, e.g. 'block only,window only unrotated')"),
     summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
                                   "summaries are compared with the uncompressed one"),
     long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
@@ -513,7 +515,9 @@ def suite(
             ratios=tuple(split_list(compression_ratio, float, "--compression-ratio")),
             head_budgets=tuple(split_list(head_budget, str, "--head-budget")),
             prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
-            threshold=threshold, all_tasks=all_tasks, ablation=ablation, summaries=summaries, long_from=long_from)
+            threshold=threshold, all_tasks=all_tasks, ablation=ablation,
+            variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
+            long_from=long_from)
         opts.configs()  # validate the press options before any work
     except ValueError as exc:
         invalid(exc)

@@ -73,6 +73,7 @@ def _grow(buf: Optional[mx.array], rows: int, new: mx.array, step: int) -> mx.ar
 
 class NestedKVCache(KVCache):
     step = KVCache.step
+    unrope = None  # the model's inverse rope (nestedkv.rope), for presses that score unrotated keys
 
     def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None):
         super().__init__()
@@ -372,7 +373,7 @@ class NestedKVCache(KVCache):
         if not streamed:
             # Nothing evicted yet: every key of the context is here, score it whole (exact).
             keys, values = self.keys[..., :n, :], self.values[..., :n, :]
-            sel = self.press.select(keys)
+            sel = self.press.select(keys, unrope=self.unrope)
         else:
             keep = self._keep()
             if keep is not None and self._rows_kept() > keep * self.kept.shape[1]:
@@ -484,7 +485,20 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
     # Adaptive budgets need the hook; elsewhere it only speeds CPU prefill, so a model without it runs as is.
     install_attention_hook(model, required=press is not None and press.head_budget == "adaptive")
     install_swiglu_hook(model)
-    return [NestedKVCache(press, context_len) for _ in defaults]
+    return _bind([NestedKVCache(press, context_len) for _ in defaults], model, press)
+
+
+def _bind(cache: list, model, press: Optional[BasePress]) -> list:
+    """Give the layers the model's inverse rope when the press scores unrotated keys."""
+    if press is not None and press.unrotate:
+        from nestedkv.rope import model_unrope
+
+        unrope = model_unrope(model)
+        if unrope is None:
+            raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo")
+        for c in cache:
+            c.unrope = unrope
+    return cache
 
 
 def _check_cache(cache) -> None:
@@ -500,9 +514,10 @@ def compress(cache) -> None:
     mx.eval([c.state for c in cache])
 
 
-def clone(cache, press: Optional[BasePress] = None) -> list[NestedKVCache]:
+def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKVCache]:
     """A copy of a cache, optionally (uncompressed caches only) under another press. Cheap: MLX arrays are
-    immutable, so the copies share the keys and values until one of them writes."""
+    immutable, so the copies share the keys and values until one of them writes. ``model``: the model
+    the cache belongs to, for a press that scores unrotated keys of a cache that was loaded from disk."""
     _check_cache(cache)
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
@@ -524,7 +539,7 @@ def clone(cache, press: Optional[BasePress] = None) -> list[NestedKVCache]:
                 raise ValueError("clone(cache, press) needs an uncompressed cache that evicted nothing")
             d.press = press
         out.append(d)
-    return out
+    return _bind(out, model, press) if model is not None else out
 
 
 def stack(caches: Sequence[list]) -> list:

@@ -39,6 +39,12 @@ class BasePress:
     # "whole": compress once after the last prefill chunk. "streaming": also evict down to the budget during
     # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see cache.py).
     prefill: str = "whole"
+    # Score the keys with the model's rotary embedding undone (each key rotated back by its position);
+    # the cache keeps the rotated keys. Needs the cache built by make_cache (or clone) with the model.
+    unrotate: bool = False
+
+    # Fields added after runs were stored: left out of to_json at their default, so those runs keep their hash.
+    _LATE_FIELDS: ClassVar[dict] = {"unrotate": False}
 
     def __post_init__(self):
         check_ratio(self.compression_ratio)
@@ -50,6 +56,10 @@ class BasePress:
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
+        if not isinstance(self.unrotate, bool):
+            raise ValueError(f"unrotate must be true or false, got {self.unrotate!r}")
+        if self.unrotate and self.prefill != "whole":
+            raise ValueError("unrotate is supported with prefill='whole' only (streaming scores chunks as they arrive)")
 
     def score(self, keys: mx.array) -> mx.array:
         raise NotImplementedError
@@ -57,16 +67,23 @@ class BasePress:
     def n_keep(self, n: int) -> Optional[int]:
         return n_keep(n, self.compression_ratio, self.budget, self.n_sink)
 
-    def select(self, keys: mx.array) -> Optional[Selection]:
-        """Rows to keep for cached keys ``[B, H, N, D]``; None when nothing needs evicting."""
+    def select(self, keys: mx.array, unrope=None) -> Optional[Selection]:
+        """Rows to keep for cached keys ``[B, H, N, D]`` at positions 0..N-1; None when nothing needs
+        evicting. ``unrope``: the model's inverse rope (``nestedkv.rope``), used when ``unrotate``."""
         scoring.check_keys(keys)
         keep = self.n_keep(keys.shape[2])
         if keep is None:
             return None
+        if self.unrotate:
+            if unrope is None:
+                raise ValueError(f"press {self.name!r} with unrotate=true needs the model's rope: build the cache "
+                                 "with nestedkv.make_cache(model, press) or nestedkv.clone(cache, press, model=model)")
+            keys = unrope(keys, 0)
         return select(self.score(keys), keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
 
     def to_json(self) -> str:
-        return json.dumps({"press": self.name, **asdict(self)}, sort_keys=True)
+        params = {k: v for k, v in asdict(self).items() if k not in self._LATE_FIELDS or v != self._LATE_FIELDS[k]}
+        return json.dumps({"press": self.name, **params}, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "BasePress":

@@ -38,6 +38,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     "keydiff": ("keydiff", "uniform", {}),
     "keydiff adaptive": ("keydiff", "adaptive", {}),
 }
+# The same variants scoring the keys with RoPE undone (nestedkv.rope): does position in the post-RoPE keys
+# blur the block and window anchors?
+VARIANTS.update({f"{name} unrotated": (press, hb, {**params, "unrotate": True})
+                 for name, (press, hb, params) in list(VARIANTS.items())
+                 if name in ("nestedkv", "nestedkv adaptive", "stable only", "block only", "window only", "keydiff")})
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_KEPT)
 
 

@@ -318,7 +318,7 @@ class Work:
                 self.results[cfg] = res = copy.deepcopy(base)
                 try:
                     mx.reset_peak_memory()  # this configuration's compress peak, not the previous one's decode
-                    self.answer(cfg, nestedkv.clone(full, cfg.make_press()), res, full)
+                    self.answer(cfg, nestedkv.clone(full, cfg.make_press(), model=runner.model), res, full)
                 except Exception as exc:
                     res.fail(exc)
                     self.report(cfg)

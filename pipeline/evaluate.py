@@ -277,13 +277,14 @@ def gold_spans(tokenizer, context_ids: Sequence[int], answers: Sequence[Optional
     return out
 
 
-def retention(full_cache, press, span: Sequence[int]) -> float:
-    """Share of (layer, KV head, position in ``span``) triples ``press`` keeps, from the full cache's keys."""
+def retention(full_cache, press, span: Sequence[int], unrope=None) -> float:
+    """Share of (layer, KV head, position in ``span``) triples ``press`` keeps, from the full cache's keys
+    (``unrope``: the model's inverse rope, for a press that scores unrotated keys)."""
     import mlx.core as mx
 
     kept = total = 0
     for c in full_cache:
-        sel = press.select(c.keys[..., : c.stored, :])
+        sel = press.select(c.keys[..., : c.stored, :], unrope=unrope)
         if sel is None:
             return 1.0
         idx = np.array(sel.indices)[0]  # [H, K]
@@ -298,8 +299,11 @@ def retention(full_cache, press, span: Sequence[int]) -> float:
 
 def gold_kept(runner, prepared, full_cache, press) -> list[QuestionScores]:
     """``gold_kept`` per question whose gold answer occurs in the context."""
+    from nestedkv.rope import model_unrope
+
     spans = gold_spans(runner.tokenizer, prepared.context_ids, [g for _, _, g in prepared.questions])
-    return [{GOLD_KEPT: retention(full_cache, press, spans[k])} if k in spans else {}
+    unrope = model_unrope(runner.model) if press.unrotate else None
+    return [{GOLD_KEPT: retention(full_cache, press, spans[k], unrope)} if k in spans else {}
             for k in range(len(prepared.questions))]
 
 

@@ -45,7 +45,7 @@ HEADLINE_RATIOS = (0.75, 0.9)
 LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
 SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
 METHODS_FILE, ABLATION_FILE, SUMMARY_FILE = "methods.parquet", "methods_ablation.parquet", "summaries.parquet"
-MARKDOWN_NAME, PLOT_NAME = "suite_report.md", "frontier.png"
+MARKDOWN_NAME, PLOT_NAME, PREFILLS_DIR = "suite_report.md", "frontier.png", "prefills"
 COLOURS = {"nestedkv": "C3", "keydiff": "C0", "knorm": "C2", "streaming_llm": "C1", "random": "C7"}
 
 QUESTIONS_DDL = """CREATE TABLE IF NOT EXISTS suite_questions (doc_id VARCHAR, content_sha256 VARCHAR,
@@ -72,6 +72,7 @@ class SuiteOptions:
     all_tasks: bool = False  # run the methods on the cells that failed calibration too
     austen: Optional[str] = None
     ablation: bool = True  # NestedKV's per-scale variants (pipeline.ablation) at the headline ratios
+    variants: Optional[tuple[str, ...]] = None  # which of them (default: every NestedKV variant)
     summaries: int = 0  # plain documents per long length whose compressed summaries are compared
     summary_tokens: int = 128  # max_new_tokens of a summary
     long_from: int = LONG_FROM  # "long": the headline, the ablation and the summaries use these lengths
@@ -94,6 +95,13 @@ class SuiteOptions:
                 raise ValueError(f"{name} must be an int >= {0 if name == 'summaries' else 1}, got {v!r}")
         if "no_press" in self.presses:
             raise ValueError("presses: no_press is the calibration reference and always runs; leave it out")
+        if self.variants is not None:
+            from pipeline.ablation import VARIANTS
+
+            unknown = [v for v in self.variants if VARIANTS.get(v, ("",))[0] != "nestedkv"]
+            if unknown:
+                raise ValueError(f"variants: unknown {unknown}; known: "
+                                 f"{', '.join(n for n, v in VARIANTS.items() if v[0] == 'nestedkv')}")
 
     @property
     def out_dir(self) -> Path:
@@ -114,7 +122,8 @@ class SuiteOptions:
         if not self.ablation:
             return {}
         ratios = [r for r in HEADLINE_RATIOS if r in self.ratios] or list(self.ratios)
-        got = variant_configs(self.base(), [n for n, v in VARIANTS.items() if v[0] == "nestedkv"], ratios)
+        names = self.variants if self.variants is not None else [n for n, v in VARIANTS.items() if v[0] == "nestedkv"]
+        got = variant_configs(self.base(), list(names), ratios)
         return {c: name for c, (name, _) in got.items() if not c.is_reference}
 
     def configs(self, base: Optional[RunConfig] = None) -> list[RunConfig]:
@@ -537,7 +546,8 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     log(f"{suite}: {len(docs)} documents, {sum(len(d['questions']) for d in docs)} questions "
         f"({stage['generate']:.0f} s)")
 
-    engine = EngineOptions(evaluate=True, batch_decode=True)
+    # Calibration and the methods are two passes over the same documents: the second loads the first's prefills.
+    engine = EngineOptions(evaluate=True, batch_decode=True, prefill_cache=str(out / PREFILLS_DIR))
     t0 = time.perf_counter()
     run(str(suite), [opts.base().reference()], opts.db, engine, hooks=hooks, runner=runner)
     with Store(opts.db) as store:

@@ -99,7 +99,10 @@ def use_tiny_model(monkeypatch, name: str = TINY_NAME, seed: int = 0) -> Iterato
             return pair
         return real(ref, **kw)
 
+    real_dir = models.model_dir
     monkeypatch.setattr(models, "load_model", load_model)
+    # No files behind the name: it is its own identity (as a repo id is) for the prefill cache.
+    monkeypatch.setattr(models, "model_dir", lambda ref=None: str(ref) if ref == name else real_dir(ref))
     yield pair, loads
 
 

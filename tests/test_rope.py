@@ -1,0 +1,109 @@
+"""Scoring keys with the rotary embedding undone (press parameter ``unrotate``)."""
+
+import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, make_cache
+from nestedkv.rope import inverse, model_unrope
+from nestedkv.selection import select
+from tiny import feed as prefill
+
+
+@pytest.mark.parametrize("rope", [
+    nn.RoPE(16, traditional=False, base=10000.0),
+    nn.RoPE(16, traditional=True, base=1e6, scale=0.5),
+    nn.RoPE(8, base=500.0),  # partial rotary: the last 8 dimensions are not rotated
+    Llama3RoPE(16, max_position_embeddings=8192, base=500000.0,
+               scaling_config={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 1024}),
+])
+def test_inverse_undoes_the_rotation_at_every_position(rope):
+    x = mx.random.normal((1, 2, 300, 16), key=mx.random.key(0))
+    for offset in (0, 37):
+        back = inverse(rope)(rope(x, offset=offset), offset)
+        np.testing.assert_allclose(np.array(back), np.array(x), atol=1e-4)
+    assert not np.allclose(np.array(rope(x)), np.array(x), atol=1e-2)  # it did rotate
+
+
+def test_unsupported_rope_is_named():
+    class OtherRoPE(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="does not support the rope OtherRoPE"):
+        inverse(OtherRoPE())
+
+
+def test_unrotated_scores_see_a_repeated_key_as_one_key():
+    # One content vector at every position but one: after RoPE the copies point in many directions, so
+    # only the unrotated score can tell the planted key from the repeated one.
+    rng = np.random.default_rng(0)
+    N, D = 256, 16
+    base = rng.standard_normal(D)
+    raw = np.tile(base, (1, 2, N, 1))
+    raw[:, :, 100] = rng.standard_normal(D)
+    rope = nn.RoPE(D, base=10000.0)
+    keys = rope(mx.array(raw.astype(np.float32)))
+    press = KeyDiffPress(budget=5, n_sink=4, unrotate=True)
+    scores = np.array(press.score(inverse(rope)(keys, 0)))
+    others = np.delete(scores, 100, axis=-1)
+    assert np.ptp(others) < 1e-4 and (scores[..., 100] > others.max() + 0.5).all()
+    sel = press.select(keys, unrope=inverse(rope))
+    assert np.array(sel.indices)[0].tolist() == [[0, 1, 2, 3, 100]] * 2  # sinks, then the planted key
+    with pytest.raises(ValueError, match="unrotate=true needs the model's rope"):
+        press.select(keys)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cache_scores_unrotated_keys_and_keeps_the_rotated_ones(tiny_model, tokens, arch):
+    model = tiny_model(arch)
+    toks = tokens(300)
+    press = NestedKVPress(budget=40, head_budget="adaptive", unrotate=True)
+    cache = make_cache(model, press)
+    prefill(model, cache, toks, 128)
+    ref = [KVCache() for _ in model.layers]
+    prefill(model, ref, toks, 128)
+    unrope = model_unrope(model)
+    compress(cache)
+    for c, r in zip(cache, ref):
+        keys = r.state[0][..., : r.offset, :]
+        want = select(press.score(unrope(keys, 0)), press.n_keep(300), "adaptive")
+        got = press.select(keys, unrope=unrope)
+        assert mx.array_equal(got.indices, want.indices).item()
+        # the cache holds the model's (rotated) keys at the selected rows
+        k, _, valid = c.padded()
+        idx = np.array(want.indices)[0]
+        for h in range(idx.shape[0]):
+            n = int(np.array(want.counts)[0, h])
+            np.testing.assert_array_equal(np.array(k[0, h, :n]), np.array(keys[0, h][mx.array(idx[h, :n])]))
+
+
+def test_clone_of_a_loaded_cache_needs_the_model(tiny_model, tokens):
+    model = tiny_model("llama")
+    full = make_cache(model, NoPress())
+    prefill(model, full, tokens(200), 100)
+    for c in full:
+        c.unrope = None  # as after load_prompt_cache
+    press = KeyDiffPress(budget=30, unrotate=True)
+    with pytest.raises(ValueError, match="needs the model's rope"):
+        compress(clone(full, press))
+    bound = clone(full, press, model=model)
+    compress(bound)
+    assert all(c.stored == 30 for c in bound)
+
+
+def test_unrotate_keeps_earlier_hashes_and_refuses_streaming():
+    assert "unrotate" not in json.loads(NestedKVPress().to_json())  # runs stored before it keep their hash
+    assert json.loads(NestedKVPress(unrotate=True).to_json())["unrotate"] is True
+    assert NestedKVPress.from_json(NestedKVPress(unrotate=True).to_json()).unrotate
+    with pytest.raises(ValueError, match="prefill='whole' only"):
+        KeyDiffPress(compression_ratio=0.5, unrotate=True, prefill="streaming")
+    with pytest.raises(ValueError, match="unrotate must be true or false"):
+        KeyDiffPress(unrotate="yes")
