@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.documents import sha256_hex
-from pipeline.evaluate import contains_gold
+from pipeline.evaluate import DELTA_GOLD_NLL, contains_gold
 from pipeline.tasks import SIZES, TASKS, generate, length_label, token_counter, write
 
 RECALL = "recall"
@@ -196,7 +196,7 @@ def score(store) -> int:
 
 
 # -- reading results back --------------------------------------------------------------------------------------
-# The latest run's score per (configuration, document, question), with the question's task and length.
+# The latest run's value of one metric per (configuration, document, question), with the question's task and length.
 SCORES_SQL = """
 SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, s.task, s.length, s.kind,
        e.doc_id, e.question_idx, e.value
@@ -204,7 +204,7 @@ FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
 JOIN suite_questions s ON s.doc_id = o.doc_id AND s.content_sha256 = o.content_sha256
     AND s.question_idx = o.question_idx
-WHERE e.metric = 'recall' AND r.config_hash IN (SELECT unnest($hashes))
+WHERE e.metric = $metric AND r.config_hash IN (SELECT unnest($hashes))
     AND o.content_sha256 IN (SELECT unnest($docs))
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx
                            ORDER BY r.created_at DESC, r.run_id DESC) = 1
@@ -244,10 +244,10 @@ def calibration(scores: Sequence[dict], threshold: float) -> list[dict]:
     return out
 
 
-def paired(scores: Sequence[dict], a: dict, b: dict, cells: set) -> dict:
+def paired(scores: Sequence[dict], a: dict, b: dict, cells: set, lower_is_better: bool = False) -> dict:
     """Per question in ``cells``: configuration ``a``'s score against ``b``'s (each a dict of press, head
-    budget, prefill, ratio, or a config hash), as counts better / worse / same, the mean difference and its
-    standard error."""
+    budget, prefill, ratio, or a config hash), as counts better / worse / same, the mean difference a - b and
+    its standard error."""
 
     def pick(cfg):  # a dict of fields, or a config hash
         same = (lambda s: s["config_hash"] == cfg) if isinstance(cfg, str) else \
@@ -260,13 +260,15 @@ def paired(scores: Sequence[dict], a: dict, b: dict, cells: set) -> dict:
     n = len(d)
     mean = _mean(d)
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else math.nan
-    return {"n": n, "better": sum(x > 0 for x in d), "worse": sum(x < 0 for x in d), "same": sum(x == 0 for x in d),
+    sign = -1 if lower_is_better else 1
+    return {"n": n, "better": sum(sign * x > 0 for x in d), "worse": sum(sign * x < 0 for x in d),
+            "same": sum(x == 0 for x in d),
             "mean_diff": mean, "se": se, "acc_a": _mean([xa[k] for k in xa.keys() & xb.keys()]),
             "acc_b": _mean([xb[k] for k in xa.keys() & xb.keys()])}
 
 
 def headline(scores: Sequence[dict], calib: Sequence[dict], ratios=HEADLINE_RATIOS,
-             long_from: int = LONG_FROM) -> tuple[list[dict], set]:
+             long_from: int = LONG_FROM, lower_is_better: bool = False) -> tuple[list[dict], set]:
     """NestedKV against KeyDiff per ratio, budget mode and prefill mode on the headline cells (calibrated,
     at the long lengths when the suite has any, else at all)."""
     lengths = sorted({c["length"] for c in calib})
@@ -277,13 +279,13 @@ def headline(scores: Sequence[dict], calib: Sequence[dict], ratios=HEADLINE_RATI
     for r in ratios:
         for hb, pf in modes:
             cfg = {"compression_ratio": r, "head_budget": hb, "prefill": pf}
-            p = paired(scores, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, cells)
+            p = paired(scores, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, cells, lower_is_better)
             if p["n"]:
                 out.append({"ratio": r, "head_budget": hb, "prefill": pf, **p})
     for r in ratios:  # the best NestedKV budget mode per ratio (by its own accuracy), marked
         rows = [h for h in out if h["ratio"] == r]
         if rows:
-            max(rows, key=lambda h: h["acc_a"])["best"] = True
+            (min if lower_is_better else max)(rows, key=lambda h: h["acc_a"])["best"] = True
     return out, cells
 
 
@@ -297,9 +299,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict) -> list[str]:
-    """Per length: one row per configuration, one column per task, then the calibrated cells' mean."""
+def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nll: Sequence[dict] = ()) -> list[str]:
+    """Per length: one row per configuration, one column per task, then the calibrated cells' mean accuracy
+    and delta gold NLL (``nll``: that metric's scores)."""
     ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
+    nll_by = defaultdict(list)
+    for s in nll:
+        if (s["task"], s["length"]) in ok:
+            nll_by[(s["length"], s["config_hash"])].append(s["value"])
     by = defaultdict(list)
     for s in scores:
         by[(s["length"], s["config_hash"])].append(s)
@@ -316,17 +323,22 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict) ->
             ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
             rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
                           s0["compression_ratio"]),
-                         [label(s0), ratio, *cells, _fmt(_mean(calibrated)), _fmt(mib.get((length, h)), 2)]))
+                         [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
+                          "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
+                          _fmt(mib.get((length, h)), 2)]))
         rows.sort(key=lambda r: (r[0][0], METHODS.index(r[0][1]) if r[0][1] in METHODS else -1, *r[0][2:]))
         lines += [f"### {length_label(length)} ({length} tokens)", ""]
-        lines += _table(["configuration", "r", *tasks, "calibrated cells", "resident KV MiB/doc"], [r for _, r in rows])
+        lines += _table(["configuration", "r", *tasks, "calibrated cells", "delta gold NLL", "resident KV MiB/doc"],
+                        [r for _, r in rows])
         lines.append("")
     return lines
 
 
-def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict, min_length: int) -> list[str]:
-    """NestedKV's variants on the calibrated cells of at least ``min_length`` tokens: accuracy per length,
-    and paired against the full method (uniform budgets) at the same ratio."""
+def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict, min_length: int,
+                   metric: str = "accuracy") -> list[str]:
+    """NestedKV's variants on the calibrated cells of at least ``min_length`` tokens: the metric (accuracy, or
+    delta gold NLL: lower is better) per length, and paired against the full method (uniform) at the same ratio."""
+    lower = metric != "accuracy"
     cells = {(c["task"], c["length"]) for c in calib if c["headline"] and c["length"] >= min_length}
     scores = [s for s in scores if (s["task"], s["length"]) in cells]
     if not scores:
@@ -339,13 +351,15 @@ def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict
         h = cfg.config_hash()
         mine = [s for s in scores if s["config_hash"] == h]
         accs = [_fmt(_mean([s["value"] for s in mine if s["length"] == n])) for n in lengths]
-        p = paired(scores, h, full[cfg.compression_ratio], cells) if cfg.compression_ratio in full else None
+        p = paired(scores, h, full[cfg.compression_ratio], cells, lower) if cfg.compression_ratio in full else None
         vs = "-" if p is None or name == "nestedkv" or not p["n"] else \
             f"{p['better']}/{p['worse']}/{p['same']}, {p['mean_diff']:+.3f} +- {_fmt(p['se'], 3)}"
-        rows.append([name, f"{cfg.compression_ratio:g}", *accs, _fmt(_mean([s["value"] for s in mine])), vs])
-    return ["## Per-scale ablation of NestedKV (calibrated cells, " + ", ".join(length_label(n) for n in lengths) + ")",
-            "", "Against = paired with full NestedKV (uniform) at the same ratio: better/worse/same, mean diff +- SE.",
-            ""] + _table(["variant", "r", *(length_label(n) for n in lengths), "all", "against nestedkv"], rows) + [""]
+        rows.append([name, f"{cfg.compression_ratio:g}", *accs, _fmt(_mean([s["value"] for s in mine]), 3 if lower else 2), vs])
+    return [f"## Per-scale ablation of NestedKV: {metric} (calibrated cells, "
+            + ", ".join(length_label(n) for n in lengths) + ")", "",
+            "Against = paired with full NestedKV (uniform) at the same ratio: better/worse/same, mean diff +- SE"
+            + (" (lower is better)." if lower else "."), ""] + \
+        _table(["variant", "r", *(length_label(n) for n in lengths), "all", "against nestedkv"], rows) + [""]
 
 
 # Agreement of each summary with the uncompressed one, latest run per (configuration, document).
@@ -446,13 +460,21 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
     return path
 
 
+def headline_table(heads: Sequence[dict], a: str, b: str, digits: int) -> list[str]:
+    return _table(["r", "head budget", "prefill", "questions", a, b, "better", "worse", "same", "mean diff +- SE"],
+                  [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"], h["prefill"], h["n"],
+                    _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
+                    f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
+
+
 def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optional[dict] = None,
                  summary_docs: Sequence[dict] = ()) -> SuiteResult:
     """The markdown report and the frontier plot for ``docs`` (and ``summary_docs``) under ``opts``'s
     configurations."""
     hashes = [opts.base().reference().config_hash()] + [c.config_hash() for c in opts.configs()]
     doc_hashes = [sha256_hex(d["text"]) for d in docs]
-    scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": doc_hashes}).to_pylist()
+    scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": doc_hashes, "metric": RECALL}).to_pylist()
+    nll = store.query(SCORES_SQL, {"hashes": hashes, "docs": doc_hashes, "metric": DELTA_GOLD_NLL}).to_pylist()
     calib = calibration(scores, opts.threshold)
     heads, cells = headline(scores, calib, long_from=opts.long_from)
     mib = resident_mib(store, hashes, doc_hashes, {d["doc_id"]: d["length"] for d in docs})
@@ -487,11 +509,12 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
                      "question; diff = NestedKV - KeyDiff; * = NestedKV's best budget mode at that ratio (chosen "
                      "on these same questions).")
         lines.append("")
-        lines += _table(["r", "head budget", "prefill", "questions", "NestedKV", "KeyDiff", "better", "worse", "same",
-                         "mean diff +- SE"],
-                        [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"], h["prefill"], h["n"],
-                          _fmt(h["acc_a"]), _fmt(h["acc_b"]), h["better"], h["worse"], h["same"],
-                          f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
+        lines += headline_table(heads, "NestedKV", "KeyDiff", 2)
+        nll_heads, _ = headline(nll, calib, long_from=opts.long_from, lower_is_better=True)
+        if nll_heads:
+            lines += ["", "Delta gold NLL (teacher-forced NLL of the gold answer under the compressed cache minus "
+                      "under the full one, nats per token; lower is better), same cells and pairing:", ""]
+            lines += headline_table(nll_heads, "NestedKV", "KeyDiff", 3)
     else:
         lines.append("No cell passed calibration at these lengths: no headline.")
     lines += ["", "## r = 0.5: share of the uncompressed accuracy kept (calibrated cells)", ""]
@@ -504,12 +527,15 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     lines += [f"- {name}: {_fmt(_mean(v))} of uncompressed {_fmt(full)} = {_fmt(_mean(v) / full if full else math.nan)}"
               for name, v in sorted(keep.items())] or ["- no NestedKV run at r = 0.5 on calibrated cells"]
     lines += ["", "## Accuracy per task, length and configuration", ""]
-    lines += accuracy_tables(scores, calib, mib)
+    lines += accuracy_tables(scores, calib, mib, nll)
     ablation = opts.ablation_configs()
     if ablation:
-        abl_scores = store.query(SCORES_SQL, {"hashes": [c.config_hash() for c in ablation],
-                                              "docs": doc_hashes}).to_pylist()
+        abl = {c.config_hash() for c in ablation}
+        abl_scores = store.query(SCORES_SQL, {"hashes": list(abl), "docs": doc_hashes, "metric": RECALL}).to_pylist()
         lines += ablation_table(abl_scores, calib, ablation, opts.long_from)
+        abl_nll = store.query(SCORES_SQL, {"hashes": list(abl), "docs": doc_hashes,
+                                           "metric": DELTA_GOLD_NLL}).to_pylist()
+        lines += ablation_table(abl_nll, calib, ablation, opts.long_from, metric="delta gold NLL")
     if summary_docs:
         lines += summary_table(store, opts, summary_docs)
     if plot:
@@ -553,7 +579,8 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     with Store(opts.db) as store:
         score(store)
         hashes = [opts.base().reference().config_hash()]
-        scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": [sha256_hex(d["text"]) for d in docs]}).to_pylist()
+        scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": [sha256_hex(d["text"]) for d in docs],
+                                          "metric": RECALL}).to_pylist()
     calib = calibration(scores, opts.threshold)
     stage["calibrate"] = time.perf_counter() - t0
     for c in calib:

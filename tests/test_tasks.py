@@ -138,6 +138,8 @@ def test_paired_counts_and_standard_error():
     assert p["mean_diff"] == pytest.approx(0.2)
     assert p["se"] == pytest.approx((2.8 / 4) ** 0.5 / 5 ** 0.5)  # sample sd of (1,1,-1,0,0) over sqrt(n)
     assert suite.paired(rows, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, {("t", 2048)})["n"] == 0
+    low = suite.paired(rows, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, {("t", 4096)}, lower_is_better=True)
+    assert (low["better"], low["worse"], low["same"], low["mean_diff"]) == (1, 2, 2, pytest.approx(0.2))
 
 
 def test_calibration_excludes_cells_below_the_threshold():
@@ -168,7 +170,8 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
         res = suite.run_suite(opts, count=COUNT, log=lambda m: None)
     text = res.markdown_path.read_text()
     assert "## Calibration" in text and "## Headline" in text and "niah_single" in text
-    assert "## Per-scale ablation" in text and "| stable only | 0.75 |" in text
+    assert "## Per-scale ablation of NestedKV: accuracy" in text and "| stable only | 0.75 |" in text
+    assert "## Per-scale ablation of NestedKV: delta gold NLL" in text and "Delta gold NLL (teacher-forced" in text
     assert "## Summaries at length" in text and "| nestedkv uniform | 0.75 | 768 | 1 |" in text
     assert res.plot_path is not None and res.plot_path.stat().st_size > 0
     assert {(c["task"], c["length"]) for c in res.calibration} == {("niah_single", 768), ("variable_tracking", 768)}
