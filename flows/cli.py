@@ -545,9 +545,10 @@ def models():
 @app.command()
 def bench(
     what: str = typer.Argument("kernels", help="kernels (scoring, compression, decode, GEMM), memory (peak KV at "
-                               "growing lengths), or throughput (documents per hour, batched, prefill cache)"),
+                               "growing lengths), throughput (documents per hour, batched, prefill cache), or rope "
+                               "(how much each NestedKV scale's ranking is position, on --context tokens)"),
     model: str = ModelOpt,
-    context: int = typer.Option(4096, "--context", help="kernels: context tokens"),
+    context: int = typer.Option(4096, "--context", help="kernels and rope: context tokens"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="memory: context lengths"),
     budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
@@ -557,7 +558,7 @@ def bench(
     out: Optional[str] = typer.Option(None, "--out", help="also write the figures (JSON; memory: a folder with "
                                       "a table and a PNG plot)"),
 ):
-    """Benchmarks: kernels (default), memory, throughput."""
+    """Benchmarks: kernels (default), memory, throughput, rope."""
     with user_errors():
         if what == "kernels":
             from nestedkv import bench as nbench
@@ -575,8 +576,16 @@ def bench(
 
             bench_throughput.main(["--input", input, "--model", model, "--batch-size", str(batch_size),
                                    "--compression-ratio", str(compression_ratio)] + (["--out", out] if out else []))
+        elif what == "rope":
+            from pathlib import Path
+
+            from pipeline import bench_rope
+
+            res = bench_rope.run(model, context, log=lambda m: out_console.print(m, markup=False, highlight=False))
+            if out:
+                Path(out).write_text(json.dumps(res, indent=1))
         else:
-            fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory or throughput")
+            fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory, throughput or rope")
 
 
 def main() -> None:

@@ -107,3 +107,21 @@ def test_unrotate_keeps_earlier_hashes_and_refuses_streaming():
         KeyDiffPress(compression_ratio=0.5, unrotate=True, prefill="streaming")
     with pytest.raises(ValueError, match="unrotate must be true or false"):
         KeyDiffPress(unrotate="yes")
+
+
+def test_rotation_effect_tells_position_from_content():
+    from pipeline.bench_rope import rotation_effect, spearman, summarize
+
+    assert spearman(np.array([[1.0, 2.0, 3.0]]), np.array([[10.0, 20.0, 30.0]]))[0] == pytest.approx(1.0)
+    assert spearman(np.array([[1.0, 2.0, 3.0]]), np.array([[3.0, 2.0, 1.0]]))[0] == pytest.approx(-1.0)
+    rope = nn.RoPE(16, base=10000.0)
+    rng = np.random.default_rng(1)
+    # Content: one direction with small noise, so unrotated keys agree; rotated ones spread with position.
+    raw = np.tile(rng.standard_normal(16), (1, 2, 600, 1)) + 0.05 * rng.standard_normal((1, 2, 600, 16))
+    keys = rope(mx.array(raw.astype(np.float32)))
+    got = rotation_effect(keys, inverse(rope))
+    assert got["stable"]["cos_unrotated"] > 0.95 > got["stable"]["cos_post"]
+    assert got["window_coherence"]["unrotated"] > got["window_coherence"]["post"]
+    same = rotation_effect(mx.array(raw.astype(np.float32)), lambda x, offset: x)  # nothing to undo
+    assert all(same[s]["spearman"] == pytest.approx(1.0) for s in ("stable", "block", "window"))
+    assert summarize([got, same])["stable"]["spearman_min_layer"] == pytest.approx(got["stable"]["spearman"])
