@@ -252,6 +252,10 @@ def _mib(n) -> str:
     return f"{n / 2**20:.1f}" if n is not None else "-"
 
 
+def _kv(n: int, share: Optional[float]) -> str:
+    return _mib(n) if share is None else f"{_mib(n)} ({share:.0%})"
+
+
 def format_report(report: dict) -> str:
     """The printed tables: methods (accuracy, agreement, resident KV) and throughput."""
     lines = []
@@ -262,8 +266,7 @@ def format_report(report: dict) -> str:
         table.append((r["method"], f"{r['ours_correct']}/{n} ({r['ours_correct'] / n:.2f})" if n else "-",
                       f"{r['peer_correct']}/{n} ({r['peer_correct'] / n:.2f})" if n else "-",
                       f"{r['same_correctness']}/{n}", f"{r['same_answer']}/{n}",
-                      f"{_mib(r['ours_kv_bytes'])} ({r['ours_kv_share']:.0%})" if r["ours_kv_share"] is not None else _mib(r["ours_kv_bytes"]),
-                      f"{_mib(r['peer_kv_bytes'])} ({r['peer_kv_share']:.0%})" if r["peer_kv_share"] is not None else _mib(r["peer_kv_bytes"])))
+                      _kv(r["ours_kv_bytes"], r["ours_kv_share"]), _kv(r["peer_kv_bytes"], r["peer_kv_share"])))
     lines += _columns(table)
     lines.append("")
     o, p = report["ours"], report["peer"]

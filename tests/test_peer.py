@@ -5,6 +5,7 @@ Nothing here needs torch; the two tests at the end run the peer worker and skip 
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -244,3 +245,25 @@ def test_nkv_bench_peer_refuses_without_the_environment(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["bench", "peer"])
     assert result.exit_code == 3
     assert "no kvpress environment" in result.output
+
+
+def test_benchmark_refuses_when_the_peer_model_differs(tmp_path, capsys):
+    """The whole command on a tiny model, against a stand-in peer whose probe logits are all zero."""
+    from tiny import sample_docs, write_batch
+
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    batch = write_batch(tmp_path / "b.parquet", sample_docs(1))
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys, numpy as np\n"
+                    "r = json.load(open(sys.argv[2]))\n"
+                    "np.save(r[\"probe_out\"], np.zeros((len(r[\"probe_ids\"]), 256), np.float32))\n"
+                    "json.dump({}, open(sys.argv[3], \"w\"))' \"$@\"\n")
+    fake.chmod(0o755)
+    with pytest.raises(SystemExit) as exit_:
+        bench_peer.main(["--model", str(model_dir), "--input", batch, "--docs", "1", "--peer-python", str(fake),
+                         "--export-dir", str(tmp_path / "export"), "--probe-tokens", "32"])
+    assert exit_.value.code == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("bench_peer: refusing to compare: the two models differ")
+    assert "argmax differs at" in err and "of 32 positions" in err
