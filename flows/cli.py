@@ -545,20 +545,21 @@ def models():
 @app.command()
 def bench(
     what: str = typer.Argument("kernels", help="kernels (scoring, compression, decode, GEMM), memory (peak KV at "
-                               "growing lengths), throughput (documents per hour, batched, prefill cache), or rope "
-                               "(how much each NestedKV scale's ranking is position, on --context tokens)"),
+                               "growing lengths), throughput (documents per hour, batched, prefill cache), rope "
+                               "(how much each NestedKV scale's ranking is position, on --context tokens), or peer "
+                               "(side by side with kvpress; python -m pipeline.bench_peer --help for its options)"),
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="kernels and rope: context tokens"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="memory: context lengths"),
     budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
-    compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory and throughput"),
+    compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory, throughput and peer"),
     input: str = typer.Option(DEFAULT_INPUT, "--input", help="throughput: the batch"),
     batch_size: int = typer.Option(5, "--batch-size", help="throughput: documents decoded together"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the figures (JSON; memory: a folder with "
                                       "a table and a PNG plot)"),
 ):
-    """Benchmarks: kernels (default), memory, throughput, rope."""
+    """Benchmarks: kernels (default), memory, throughput, rope, peer."""
     with user_errors():
         if what == "kernels":
             from nestedkv import bench as nbench
@@ -584,8 +585,13 @@ def bench(
             res = bench_rope.run(model, context, log=lambda m: out_console.print(m, markup=False, highlight=False))
             if out:
                 Path(out).write_text(json.dumps(res, indent=1))
+        elif what == "peer":
+            from pipeline import bench_peer
+
+            bench_peer.main(["--model", model, "--compression-ratio", str(compression_ratio)]
+                            + (["--out", out] if out else []))
         else:
-            fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory, throughput or rope")
+            fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory, throughput, rope or peer")
 
 
 def main() -> None:
