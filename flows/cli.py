@@ -348,7 +348,8 @@ def serve(
     generation: dict = None,
 ):
     """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.deploy import ServerUnavailable, check_server, config_settings, deploy_batch, serve_batch, serve_sharded
+    from flows.deploy import ServerUnavailable, check_server, config_settings, deploy_batch, serve_batch
+    from flows.sharded import serve_sharded
 
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
@@ -441,11 +442,11 @@ def eval_(
 ):
     """Answer quality against the uncompressed model: per document one prefill, then every configuration
     (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
-    from pipeline.engine import run as run_engine
+    from pipeline.engine import EngineOptions, run as run_engine
 
     configs, options = build("qa", model, press, generation)
     try:
-        engine_options = options.engine_options(evaluate=True, metrics=tuple(metric or ()))
+        engine_options = EngineOptions.for_batch(options, evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
     check_before_flow(input, model, db, options.wait)
