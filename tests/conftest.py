@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-weight mlx-lm models (no downloads, seconds to build)."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
+
+nestedkv.enable_cpu_fast_path()  # before mlx loads (it binds its BLAS then); what the nkv CLI runs with
 
 import mlx.core as mx
 import pytest
