@@ -8,8 +8,6 @@ and the plan as arguments (``quote``d: Prefect neither serializes nor walks them
 """
 
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger, task
@@ -17,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.utilities.annotations import quote
 
+import nestedkv
 from flows import artifacts
 from pipeline import engine
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, BatchOptions, HeadBudget, PrefillMode, RunConfig, Task
@@ -49,6 +48,7 @@ def documents_task(runner, store: Store, plan: engine.Plan, label: str, docs: li
 
 def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, options: BatchOptions,
              engine_options: EngineOptions, hooks: Optional[Hooks]) -> Summary:
+    nestedkv.enable_cpu_fast_path()  # a worker's or server's flow run: before the model loads mlx
     log = get_run_logger()
     hooks = hooks or engine.NO_HOOKS
     one = documents_task.with_options(retries=options.retries, retry_delay_seconds=options.retry_delay_s)

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 from flows.options import generation_options, press_options
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
@@ -577,6 +577,8 @@ def bench(
 
 
 def main() -> None:
+    # No command has loaded mlx yet (this module does not import it): mlx binds its BLAS when it loads.
+    nestedkv.enable_cpu_fast_path()
     app()
 
 
