@@ -383,10 +383,15 @@ def serve(
 
 
 def exit_on_sigterm() -> None:
-    """A terminated flow run still stops Prefect's temporary server (its atexit hook), instead of orphaning it."""
+    """A terminated flow run still stops Prefect's temporary server (its atexit hook), instead of orphaning it.
+    Ctrl-C (SIGINT) stops the batch the same clean way even when the command inherited SIGINT ignored, as a
+    non-interactive shell's background job does: Python then keeps it ignored, and the interrupted command went
+    on holding the store."""
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def check_input_early(input: str) -> None:

@@ -551,10 +551,11 @@ def started(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def keep_sigterm():
-    """The CLI installs a SIGTERM handler; the test process gets its own back."""
-    before = signal.getsignal(signal.SIGTERM)
+    """The CLI installs SIGTERM and SIGINT handlers; the test process gets its own back."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
-    signal.signal(signal.SIGTERM, before)
+    for s, handler in before.items():
+        signal.signal(s, handler)
 
 
 def one_error_line(res, words) -> str:
@@ -640,10 +641,14 @@ def prefect_env(prefect_api, tmp_path_factory) -> dict:
             "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect"))}
 
 
+IGNORE_SIGINT_THEN_EXEC = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+
+
 class Batch:
     """``nkv run`` over four documents in a subprocess, stopped while the second document starts."""
 
-    def __init__(self, tmp: Path, model_dir: str, prefect_env: dict, own_server: bool, **env):
+    def __init__(self, tmp: Path, model_dir: str, prefect_env: dict, own_server: bool, sigint_ignored: bool = False,
+                 **env):
         self.tmp, self.model_dir = tmp, model_dir
         self.db = tmp / "runs.duckdb"
         self.input = write_batch(tmp / "four.parquet", docs(4))
@@ -656,8 +661,11 @@ class Batch:
             e.pop("PREFECT_API_URL", None)
         self.err = tmp / "stderr.txt"  # a file, not a pipe: a full pipe would stall the command
         with open(tmp / "stdout.txt", "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "slow_cli.py"), *self.args], env=e,
-                                         stdout=out, stderr=err, cwd=tmp)
+            # sigint_ignored: started as a non-interactive shell starts a background job (`nkv run ... &`); an
+            # ignored signal stays ignored across exec
+            ignoring = [sys.executable, "-c", IGNORE_SIGINT_THEN_EXEC] if sigint_ignored else []
+            self.proc = subprocess.Popen([*ignoring, sys.executable, str(ROOT / "tests" / "slow_cli.py"), *self.args],
+                                         env=e, stdout=out, stderr=err, cwd=tmp)
 
     def wait_for(self, doc_id: str, timeout: float = 120) -> None:
         end = time.monotonic() + timeout
@@ -719,7 +727,9 @@ def batches(tmp_path_factory, model_dir, prefect_env):
     def start(name: str, own_server: bool, **env) -> Batch:
         return Batch(tmp_path_factory.mktemp(name), model_dir, prefect_env, own_server, **env)
 
-    started = {"SIGTERM": start("term", True), "SIGINT": start("int", False), "SIGKILL": start("kill", True),
+    # SIGINT: inherited ignored, which used to leave the interrupted command holding the store
+    started = {"SIGTERM": start("term", True), "SIGINT": start("int", False, sigint_ignored=True),
+               "SIGKILL": start("kill", True),
                "crash": start("crash", False, NKV_TEST_CRASH_AT="doc-2", NKV_TEST_PAUSE_AT="")}
     yield started
     for b in started.values():
