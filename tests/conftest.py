@@ -10,6 +10,13 @@ import pytest
 from tiny import make_tiny_model
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+SLOW_KINDS = ("e2e", "server", "scaleout")  # each is slow by nature: a real model, server or work pool
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
 
 
 def build_tiny_model(arch: str = "llama", n_layers: int = 2, dtype=mx.float32, seed: int = 0):

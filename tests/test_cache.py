@@ -110,6 +110,7 @@ def test_key_planted_in_last_chunk_is_kept():
     assert c.context_len == 1100 and c.offset == 1100
 
 
+@pytest.mark.slow  # a 3000-token prefill: seconds on two cores
 def test_chunked_prefill_3000_in_512_chunks_keeps_256_rows_per_head(tiny_model, tokens):
     model = tiny_model("llama", n_layers=3)
     toks = tokens(3000)

@@ -2,7 +2,7 @@
 configuration, evaluation rows against the no_press run, resume, retries by predicate, the batched
 decode giving the same answers, and press parameters reaching the configuration hash."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 
 import pytest
 from tiny import TINY_NAME, ByteTokenizer, sample_docs, tiny_model, use_tiny_model, write_batch

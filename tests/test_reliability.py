@@ -7,8 +7,6 @@ documents beside a bad one were done. No row lets a raw terminal escape through.
 real command in a subprocess (tests/slow_cli.py) on a tiny model directory.
 """
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import hashlib
 import logging
 import os
@@ -567,10 +565,19 @@ def one_error_line(res, words) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=True)]
-                                               if c.xfail else []) for c in CASES])
+def runs_a_flow(case: Case) -> bool:
+    return case.code == 0 and case.args[0] in ("run", "sweep")
+
+
+def marks(case: Case) -> list:
+    # A row that runs a flow needs the Prefect server: the slow lane's
+    return ([pytest.mark.xfail(reason=case.xfail, strict=True)] if case.xfail else []) + \
+        ([pytest.mark.slow] if runs_a_flow(case) else [])
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=marks(c)) for c in CASES])
 def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
-    if case.code == 0 and case.args[0] in ("run", "sweep"):
+    if runs_a_flow(case):
         request.getfixturevalue("prefect_api")
     ctx = Ctx(tmp_path, monkeypatch)
     try:
@@ -738,6 +745,7 @@ def batches(tmp_path_factory, model_dir, prefect_env):
             b.proc.wait()
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_a_run_exits_cleanly(sig, code, batches):
     """The run is closed (not left ``running``), the finished document kept, the temporary server stopped.
@@ -771,6 +779,7 @@ def test_signal_during_a_run_exits_cleanly(sig, code, batches):
         assert done == [{"doc_id": f"doc-{i}", "n": 1, "ok": True} for i in range(4)]
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 def test_sigkill_leaves_no_process_and_the_next_command_closes_the_run(batches):
     b = batches["SIGKILL"]
     b.wait_for("doc-1")
@@ -784,6 +793,7 @@ def test_sigkill_leaves_no_process_and_the_next_command_closes_the_run(batches):
     assert b.statuses() == ["interrupted", "completed"]
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 def test_crash_between_documents_then_resume(batches):
     b = batches["crash"]
     rc, _ = b.finish(timeout=120)

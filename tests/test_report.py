@@ -1,7 +1,5 @@
 """``nkv eval`` then ``nkv report`` on a tiny random model: the table, the markdown and the PNG plot."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import pytest
 from tiny import TINY_NAME, sample_docs, use_tiny_model, write_batch
 from typer.testing import CliRunner
