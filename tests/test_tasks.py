@@ -148,6 +148,7 @@ def test_calibration_excludes_cells_below_the_threshold():
     assert calib["two_hop"]["headline"]
 
 
+@pytest.mark.slow  # the whole suite on a tiny model
 def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
                               size="quick", lengths=(768,), tasks=("niah_single", "variable_tracking"),
@@ -185,6 +186,7 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     assert loads == [] and timeless(again.markdown_path.read_text()) == timeless(text)
 
 
+@pytest.mark.slow  # suite runs through the CLI
 def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
