@@ -24,7 +24,7 @@ ZEN5_FAMILY = 0x1A  # Debian's OpenBLAS 0.3.21 knows AMD families up to 0x19 (Ze
 
 _done = False
 _state: dict = {"library": None, "coretype_set": None, "thread_timeout_set": None, "malloc": None,
-          "fast_path": False}
+                "fast_path": False}
 
 # glibc malloc settings for mlx's CPU backend, which has no buffer cache: with glibc's default, buffers of a
 # few MiB and more are mapped afresh (the threshold moves with the history of frees) and cost a page fault

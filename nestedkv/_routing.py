@@ -36,7 +36,7 @@ def routed(obj, name: str, replacement) -> bool:
 
 
 def can_route(obj, name: str, original) -> bool:
-    """Whether ``obj``'s ``__call__`` calls ``original`` by the global ``name`` (or is routed already)."""
+    """Whether ``obj``'s ``__call__`` calls ``original`` by the global ``name``."""
     fn = getattr(type(obj), "__call__", None)
     code = getattr(fn, "__code__", None)
     return code is not None and name in code.co_names and _global(fn, name) is original
@@ -60,4 +60,15 @@ def route(obj, name: str, original, replacement) -> bool:
         _CLASSES[key] = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
                                                      "__qualname__": cls.__qualname__, "_nkv_routes": routes})
     obj.__class__ = _CLASSES[key]
+    return True
+
+
+def route_all(objs: list, name: str, original, replacement) -> bool:
+    """``route`` every one of ``objs`` (one model's layers), or none: False, nothing changed, when some
+    object is missing (None) or does not call ``original``."""
+    if not objs or not all(o is not None and (routed(o, name, replacement) or can_route(o, name, original))
+                           for o in objs):
+        return False
+    for o in objs:
+        route(o, name, original, replacement)
     return True

@@ -36,9 +36,4 @@ def install_swiglu_hook(model) -> bool:
     """Route this model's MLPs through ``swiglu`` (idempotent); returns whether they are routed. Models whose
     MLP does not call mlx-lm's ``swiglu`` (GELU, mixtures of experts) keep their own."""
     mlps = [getattr(layer, "mlp", None) for layer in getattr(model, "layers", None) or []]
-    if not mlps or not all(m is not None and (_routing.routed(m, "swiglu", swiglu)
-                                              or _routing.can_route(m, "swiglu", _swiglu)) for m in mlps):
-        return False
-    for m in mlps:
-        _routing.route(m, "swiglu", _swiglu, swiglu)
-    return True
+    return _routing.route_all(mlps, "swiglu", _swiglu, swiglu)

@@ -178,18 +178,14 @@ def install_attention_hook(model, required: bool = True) -> bool:
     """Route this model's attention layers through ``attention`` (idempotent); the module and other model
     instances keep mlx-lm's. A model whose attention does not call mlx-lm's function raises when ``required``,
     else keeps its own attention; returns whether it is routed."""
-    layers = _attention_layers(model)
-    if not all(a is not None and (_routing.routed(a, NAME, attention) or _routing.can_route(a, NAME, _sdpa))
-               for a in layers):
-        if not required:
-            return False
-        raise ValueError(
-            f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
-            f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
-        )
-    for a in layers:
-        _routing.route(a, NAME, _sdpa, attention)
-    return True
+    if _routing.route_all(_attention_layers(model), NAME, _sdpa, attention):
+        return True
+    if not required:
+        return False
+    raise ValueError(
+        f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
+        f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
+    )
 
 
 def calling_model(skip: int = 2):
