@@ -8,8 +8,6 @@ and the plan as arguments (``quote``d: Prefect neither serializes nor walks them
 """
 
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger, task
@@ -17,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.utilities.annotations import quote
 
+import nestedkv
 from flows import artifacts
 from pipeline import engine
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, BatchOptions, HeadBudget, PrefillMode, RunConfig, Task
@@ -49,6 +48,7 @@ def documents_task(runner, store: Store, plan: engine.Plan, label: str, docs: li
 
 def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, options: BatchOptions,
              engine_options: EngineOptions, hooks: Optional[Hooks]) -> Summary:
+    nestedkv.enable_cpu_fast_path()  # a worker's or server's flow run: before the model loads mlx
     log = get_run_logger()
     hooks = hooks or engine.NO_HOOKS
     one = documents_task.with_options(retries=options.retries, retry_delay_seconds=options.retry_delay_s)
@@ -114,7 +114,7 @@ def _batch(task_name: Task, input: str, press: str, compression_ratio: float, bu
            options: Optional[BatchOptions], hooks: Optional[Hooks]) -> Summary:
     options = options or BatchOptions()
     config = batch_config(task_name, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
-    return run_flow(f"{task_name}-batch", input, [config], db, options, options.engine_options(), hooks)
+    return run_flow(f"{task_name}-batch", input, [config], db, options, EngineOptions.for_batch(options), hooks)
 
 
 def _batch_flow(task_name: Task, doc: str):
@@ -175,54 +175,7 @@ def budget_sweep(
     configs = engine.make_configs(base, presses, compression_ratios, budgets or (), head_budgets, prefills,
                                   press_params)
     return run_flow("budget-sweep", input, configs, db, options,
-                    options.engine_options(reference=reference, evaluate=evaluate), hooks)
-
-
-@flow(name="sharded-batch", persist_result=False)
-def sharded_batch(
-    pool: str,
-    input: str = DEFAULT_INPUT,
-    task: Task = "summarize",
-    shards: Optional[int] = None,
-    shard_size: Optional[int] = None,
-    data_path: Optional[str] = None,
-    press: str = "nestedkv",
-    compression_ratio: float = 0.75,
-    budget: Optional[int] = None,
-    head_budget: Optional[HeadBudget] = None,
-    prefill: PrefillMode = "whole",
-    press_params: Optional[dict[str, Any]] = None,
-    model: str = DEFAULT_MODEL,
-    db: str = DEFAULT_DB,
-    options: BatchOptions = BatchOptions(),
-) -> dict:
-    """One batch fanned out over a process work pool (``flows.shards``): a ``<task>-batch/shards`` flow run
-    per shard, all writing the lake ``db``. Loads no model itself; fails unless every document ends done."""
-    from flows.shards import fan_out
-
-    log = get_run_logger()
-    options = options or BatchOptions()
-    config = batch_config(task, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
-    seen: dict[int, tuple] = {}
-
-    def on_progress(shard_list) -> None:
-        for s in shard_list:
-            now = (s.state, s.done, s.attempt, s.skipped)
-            if seen.get(s.index) != now:
-                seen[s.index] = now
-                log.info("%s: %s, %d/%d documents stored", s.label, s.status(), s.done, len(s.docs))
-
-    result = fan_out(input, config, db, pool, options, shards=shards, shard_size=shard_size, data_path=data_path,
-                     on_progress=on_progress, log=log.warning)
-    for err in result.input_errors:
-        log.warning("skipped input row: %s", err)
-    line = result.summary()
-    log.info(line)
-    artifacts.publish_tables("sharded-batch", result.savings, [], result.run_ids)
-    if result.n_ok < result.n_documents:
-        raise RuntimeError(line)
-    return {"shards": len(result.shards), "runs": result.run_ids, "documents": result.n_documents,
-            "ok": result.n_ok, "failed": result.n_failed, "bad_rows": len(result.input_errors)}
+                    EngineOptions.for_batch(options, reference=reference, evaluate=evaluate), hooks)
 
 
 FLOWS = {"summarize": summarize_batch, "qa": qa_batch}

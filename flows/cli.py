@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 from flows.options import generation_options, press_options
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
@@ -348,7 +348,8 @@ def serve(
     generation: dict = None,
 ):
     """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.deploy import ServerUnavailable, check_server, config_settings, deploy_batch, serve_batch, serve_sharded
+    from flows.deploy import ServerUnavailable, check_server, config_settings, deploy_batch, serve_batch
+    from flows.sharded import serve_sharded
 
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
@@ -382,10 +383,15 @@ def serve(
 
 
 def exit_on_sigterm() -> None:
-    """A terminated flow run still stops Prefect's temporary server (its atexit hook), instead of orphaning it."""
+    """A terminated flow run still stops Prefect's temporary server (its atexit hook), instead of orphaning it.
+    Ctrl-C (SIGINT) stops the batch the same clean way even when the command inherited SIGINT ignored, as a
+    non-interactive shell's background job does: Python then keeps it ignored, and the interrupted command went
+    on holding the store."""
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def check_input_early(input: str) -> None:
@@ -441,11 +447,11 @@ def eval_(
 ):
     """Answer quality against the uncompressed model: per document one prefill, then every configuration
     (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
-    from pipeline.engine import run as run_engine
+    from pipeline.engine import EngineOptions, run as run_engine
 
     configs, options = build("qa", model, press, generation)
     try:
-        engine_options = options.engine_options(evaluate=True, metrics=tuple(metric or ()))
+        engine_options = EngineOptions.for_batch(options, evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
     check_before_flow(input, model, db, options.wait)
@@ -595,6 +601,8 @@ def bench(
 
 
 def main() -> None:
+    # No command has loaded mlx yet (this module does not import it): mlx binds its BLAS when it loads.
+    nestedkv.enable_cpu_fast_path()
     app()
 
 

@@ -22,7 +22,7 @@ class ServerUnavailable(RuntimeError):
     pass
 
 
-def _absolute(path: str) -> str:
+def absolute(path: str) -> str:
     # Flow runs start in their own process, maybe elsewhere: pin paths where they exist, keep model names.
     if lake.is_lake(path):  # a lake's catalog file, not the spec, is the path (conninfo stays as it is)
         return str(lake.LakeSpec.parse(path).absolute())
@@ -51,9 +51,9 @@ def batch_parameters(input: str, press: str, compression_ratio: float, budget: O
                      options: Optional[BatchOptions] = None) -> dict:
     """Every setting as a deployment parameter (``options`` holds the generation settings and retries)."""
     return {
-        "input": _absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
+        "input": absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
         "head_budget": head_budget, "prefill": prefill, "press_params": press_params or {},
-        "model": _absolute(model), "db": _absolute(db), "options": (options or BatchOptions()).model_dump(),
+        "model": absolute(model), "db": absolute(db), "options": (options or BatchOptions()).model_dump(),
     }
 
 
@@ -64,7 +64,7 @@ def config_settings(config: RunConfig, input: str, db: str, options: Optional[Ba
                 model=config.model, db=db, options=options)
 
 
-def _deployment(task: str, name: str, cron: Optional[str], params: dict, flow=None, extra: Optional[dict] = None):
+def deployment(task: str, name: str, cron: Optional[str], params: dict, flow=None, extra: Optional[dict] = None):
     from prefect.deployments.runner import EntrypointType
 
     return (flow or FLOWS[task]).to_deployment(
@@ -87,23 +87,7 @@ def serve_batch(task: str = "summarize", *, name: str = "nightly", cron: Optiona
     from prefect import serve
 
     check_server()
-    serve(_deployment(task, name, cron, params), limit=1)
-
-
-def serve_sharded(task: str = "summarize", *, pool: str, shards: Optional[int] = None, shard_size: Optional[int] = None,
-                  data_path: Optional[str] = None, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
-                  **params) -> None:
-    """Serve ``sharded-batch/<name>`` on a cron schedule until interrupted: each run splits the batch and
-    submits its shards to ``pool`` (``flows.shards``), where the workers load the model; this process
-    only waits for them."""
-    from prefect import serve
-
-    from flows.batch import sharded_batch
-
-    check_server()
-    extra = {"task": task, "pool": pool, "shards": shards, "shard_size": shard_size,
-             "data_path": _absolute(data_path) if data_path else None}
-    serve(_deployment(task, name, cron, params, sharded_batch, extra), limit=1)
+    serve(deployment(task, name, cron, params), limit=1)
 
 
 def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
@@ -115,6 +99,6 @@ def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", c
 
     check_server()
     # ignore_warnings: Prefect suggests .serve for process pools; a pool is the point here (one worker per Mac).
-    (deployment_id,) = deploy(_deployment(task, name, cron, params), work_pool_name=pool, build=False, push=False,
+    (deployment_id,) = deploy(deployment(task, name, cron, params), work_pool_name=pool, build=False, push=False,
                               print_next_steps_message=False, ignore_warnings=True)
     return str(deployment_id)

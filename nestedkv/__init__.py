@@ -1,46 +1,38 @@
-"""NestedKV: training-free, key-only KV-cache eviction for mlx-lm models (arXiv:2605.26678)."""
+"""NestedKV: training-free, key-only KV-cache eviction for mlx-lm models (arXiv:2605.26678).
 
-from nestedkv._platform import load_openblas
+Importing the package changes nothing in the process and does not import mlx: the names below load their
+module on first use, so that ``enable_cpu_fast_path()`` (the CPU opt-in, see ``nestedkv._platform``) can still
+run before mlx loads.
+"""
 
-load_openblas()
+import importlib
 
-from nestedkv.accounting import LayerMemory, layer_stats, peak_kv_bytes, reset_peak  # noqa: E402
-from nestedkv.attention import head_mask, install_attention_hook  # noqa: E402
-from nestedkv.cache import NestedKVCache, clone, compress, make_cache, stack, take  # noqa: E402
-from nestedkv.press import (  # noqa: E402
-    PREFILL_MODES,
-    PRESSES,
-    BasePress,
-    KeyDiffPress,
-    KnormPress,
-    NestedKVPress,
-    NoPress,
-    RandomPress,
-    StreamingLLMPress,
-    get_press,
-)
+from nestedkv._platform import enable_cpu_fast_path
 
-__all__ = [
-    "PREFILL_MODES",
-    "PRESSES",
-    "BasePress",
-    "KeyDiffPress",
-    "KnormPress",
-    "LayerMemory",
-    "NestedKVCache",
-    "NestedKVPress",
-    "NoPress",
-    "RandomPress",
-    "StreamingLLMPress",
-    "clone",
-    "compress",
-    "get_press",
-    "head_mask",
-    "install_attention_hook",
-    "layer_stats",
-    "make_cache",
-    "peak_kv_bytes",
-    "reset_peak",
-    "stack",
-    "take",
-]
+_HOME = {
+    "nestedkv.accounting": ("LayerMemory", "layer_stats", "peak_kv_bytes", "reset_peak"),
+    "nestedkv.attention": ("head_mask", "install_attention_hook"),
+    "nestedkv.cache": ("NestedKVCache", "clone", "compress", "make_cache", "stack", "take"),
+    "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "KeyDiffPress", "KnormPress", "NestedKVPress",
+                       "NoPress", "RandomPress", "StreamingLLMPress", "get_press"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+
+__all__ = sorted([*_MODULE_OF, "enable_cpu_fast_path"])
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+        globals()[name] = value  # looked up once
+        return value
+    try:  # submodules, as `import nestedkv; nestedkv.cache` found them when the package imported them all
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from nestedkv._platform import cpu_cores
+from nestedkv._platform import cpu_cores, fast_path_enabled
 
 MAX_STREAMS = 4
 # fp32 intermediates worked on at once: mlx's CPU backend has no buffer cache and glibc maps every buffer of
@@ -23,6 +23,12 @@ def stream(i: int) -> mx.Stream:
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
+
+
+def fast() -> bool:
+    """Whether the CPU replacements of attention's softmax and SwiGLU apply here: opted in
+    (``nestedkv.enable_cpu_fast_path``) and running on the CPU."""
+    return fast_path_enabled() and on_cpu()
 
 
 def streams_for(parts: int, cores: int | None = None) -> int:

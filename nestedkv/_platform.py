@@ -1,4 +1,5 @@
-"""Platform setup that must run before the first ``import mlx``."""
+"""The CPU fast path (``enable_cpu_fast_path``): nothing here runs at import, and nothing here imports mlx,
+so that the opt-in can run before mlx loads."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ AVX2 = frozenset({"avx2", "fma"})
 ZEN5_FAMILY = 0x1A  # Debian's OpenBLAS 0.3.21 knows AMD families up to 0x19 (Zen 3/4)
 
 _done = False
-_state: dict = {"library": None, "coretype_set": None, "thread_timeout_set": None, "malloc": None}
+_state: dict = {"library": None, "coretype_set": None, "thread_timeout_set": None, "malloc": None,
+                "fast_path": False}
 
 # glibc malloc settings for mlx's CPU backend, which has no buffer cache: with glibc's default, buffers of a
 # few MiB and more are mapped afresh (the threshold moves with the history of frees) and cost a page fault
@@ -106,27 +108,50 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def enable_cpu_fast_path() -> dict:
+    """Opt this process in to nestedkv's CPU speed-ups; a no-op on the second call. Returns ``blas_info()``.
+
+    On Linux: glibc malloc settings (``tune_malloc``) and the system OpenBLAS for mlx's CPU backend
+    (``load_openblas``). Everywhere: the CPU replacements of attention's softmax and of SwiGLU (exp as a power
+    of 2, within 1e-6 of mlx's) in the models that ``nestedkv.make_cache`` routes; they check the device per
+    call, so Metal and CUDA run mlx's own functions.
+
+    Call it before anything imports ``mlx.core``: mlx binds its BLAS functions when it loads (Python opens
+    extensions with RTLD_NOW), so an OpenBLAS loaded later is never called. ``import nestedkv`` does not
+    import mlx. The ``nkv`` CLI, the benchmarks and the tests call it; a library user opts in the same way.
+    """
+    if not _state["fast_path"]:
+        _state["fast_path"] = True
+        if platform.system() == "Linux":
+            tune_malloc(os.environ)
+            load_openblas()
+    return blas_info()
+
+
+def fast_path_enabled() -> bool:
+    return _state["fast_path"]
+
+
 def load_openblas() -> bool:
-    """On Linux, load the system OpenBLAS globally so mlx's CPU backend uses it.
+    """On Linux, load the system OpenBLAS globally so mlx's CPU backend uses it (part of
+    ``enable_cpu_fast_path``).
 
     The ``mlx-cpu`` wheel ships a slow reference BLAS; with Debian's ``libopenblas0-pthread``
     loaded first, fp32 matmuls are about 40x faster. On x86_64 the OpenBLAS kernel is chosen
     from the CPU's flags when that OpenBLAS would misdetect it (``openblas_coretype``); the
     variable is set only while the library loads. Returns True when OpenBLAS was loaded.
-    Loads nothing elsewhere (Metal on macOS needs no BLAS) or when ``NKV_NO_OPENBLAS=1``; on Linux
-    it also applies ``tune_malloc``.
+    Loads nothing elsewhere (Metal on macOS needs no BLAS) or when ``NKV_NO_OPENBLAS=1``.
     """
     global _done
     if _done or platform.system() != "Linux":
         return False
     _done = True
-    tune_malloc(os.environ)  # not tied to the BLAS: the opt-out below keeps it
     if os.environ.get("NKV_NO_OPENBLAS") == "1":
         return False
     if "mlx.core" in sys.modules:
         warnings.warn(
-            "mlx was imported before nestedkv: the system OpenBLAS could not be loaded first; "
-            "CPU matmuls may be slow. Import nestedkv (or pipeline) before mlx.",
+            "mlx was imported before nestedkv.enable_cpu_fast_path(): mlx has bound its reference BLAS, so the "
+            "system OpenBLAS cannot take its place and CPU matmuls stay slow. Call it before importing mlx.",
             RuntimeWarning,
             stacklevel=3,
         )

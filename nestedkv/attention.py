@@ -9,15 +9,17 @@ Two layouts need more than mlx-lm's attention:
 
 mlx-lm builds one mask from the first layer's cache for all layers, so a per-layer, per-head mask cannot come
 from ``make_mask``. Model modules call the ``scaled_dot_product_attention`` they imported from
-``mlx_lm.models.base``; ``install_attention_hook`` swaps that name for ``attention``, which handles the two
-layouts above and passes everything else to mlx-lm's function.
+``mlx_lm.models.base``; ``install_attention_hook`` routes one model instance's attention layers to ``attention``
+instead (``_routing``: the module and other models keep mlx-lm's), which handles the two layouts above and
+passes everything else to mlx-lm's function.
 
 On the CPU, long prefill chunks are also split by query rows (``row_plan``): mlx's CPU attention computes its
 softmax on one thread, and its exp dominates prefill time past a few hundred context tokens, so row blocks
 on several CPU streams use every core; causal blocks skip the keys they cannot see, and every block's scores
 stay under ``_cpu.CHUNK_BYTES``. Each block, and on the CPU every shorter call (decode steps included), is
-``softmax_attention``, whose exp is a power of 2 (mlx's CPU exp is about three times slower); elsewhere
-(Metal, CUDA, attention sinks) mlx's attention runs as is.
+``softmax_attention``, whose exp is a power of 2 (mlx's CPU exp is about three times slower). Both only with
+the CPU fast path (``nestedkv.enable_cpu_fast_path``); elsewhere (without it, Metal, CUDA, attention sinks)
+mlx's attention runs as is.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import sys
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
-from nestedkv import _cpu
+from nestedkv import _cpu, _routing
 
 _sdpa = mlx_base.scaled_dot_product_attention
+NAME = "scaled_dot_product_attention"  # the global name mlx-lm's attention layers call it by
 MIN_ROWS = 16  # query rows per block at least
 LOG2E = 1.4426950408889634
 PARALLEL_MIN_SCORES = 2**20  # B x query heads x rows x keys below which one call is as fast
@@ -113,10 +116,10 @@ def _by_rows(queries, keys, values, scale, mask, sinks, plan):
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's attention; on the CPU ``softmax_attention``, long query chunks by row blocks over the cores
-    (see ``row_plan``)."""
+    """mlx-lm's attention; with the CPU fast path ``softmax_attention``, long query chunks by row blocks over
+    the cores (see ``row_plan``)."""
     splittable = (
-        _cpu.on_cpu()
+        _cpu.fast()
         and not hasattr(cache, "bits")
         and (mask is None or mask == "causal" if isinstance(mask, (str, type(None)))
              else mask.ndim >= 2 and mask.shape[-2] in (1, queries.shape[2]))
@@ -167,32 +170,43 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     return _attend(queries, keys, values, cache, scale, mask, sinks)
 
 
-def hook_loaded_models() -> None:
-    """Route every already imported mlx-lm model module through ``attention`` (a cache loaded from disk never
-    went through ``make_cache``)."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _sdpa:
-            module.scaled_dot_product_attention = attention
-
-
-def _attention_modules(model):
-    for layer in model.layers:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-        yield sys.modules[type(attn).__module__] if attn is not None else None
+def _attention_layers(model) -> list:
+    return [getattr(layer, "self_attn", None) or getattr(layer, "attention", None) for layer in model.layers]
 
 
 def install_attention_hook(model, required: bool = True) -> bool:
-    """Route the model's attention through ``attention`` (idempotent). A model whose attention does not call
-    mlx-lm's function raises when ``required``, else keeps its own attention; returns whether it is routed."""
-    modules = list(_attention_modules(model))
-    fns = [getattr(m, "scaled_dot_product_attention", None) if m else None for m in modules]
-    if not all(fn is _sdpa or fn is attention for fn in fns):
-        if not required:
-            return False
-        raise ValueError(
-            f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
-            f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
+    """Route this model's attention layers through ``attention`` (idempotent); the module and other model
+    instances keep mlx-lm's. A model whose attention does not call mlx-lm's function raises when ``required``,
+    else keeps its own attention; returns whether it is routed."""
+    if _routing.route_all(_attention_layers(model), NAME, _sdpa, attention):
+        return True
+    if not required:
+        return False
+    raise ValueError(
+        f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
+        f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
+    )
+
+
+def calling_model(skip: int = 2):
+    """The model whose forward pass is calling (``skip`` frames up, then a few more): mlx-lm models ask
+    their first cache for the mask in their body, whose ``self`` holds ``layers``; None if not found."""
+    frame = sys._getframe(skip)
+    for _ in range(4):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(getattr(obj, "layers", None), list):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def check_caller_routed() -> None:
+    """Raise if the layer calling ``update_and_fetch`` is about to give ragged rows to mlx-lm's attention,
+    which would attend the padding (or fail on per-head lists)."""
+    if sys._getframe(2).f_globals.get(NAME) is _sdpa:
+        raise RuntimeError(
+            "this NestedKVCache holds per-head rows (adaptive head budgets or nestedkv.stack) but the model "
+            "calling it uses mlx-lm's attention: route it first with nestedkv.install_attention_hook(model)"
         )
-    for module in modules:
-        module.scaled_dot_product_attention = attention
-    return True

@@ -14,11 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
+if __name__ == "__main__":  # the CPU opt-in, before mlx loads (it binds its BLAS then)
+    nestedkv.enable_cpu_fast_path()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, layer_stats, make_cache
 from nestedkv._platform import AVX2, AVX512, blas_info, cpu_cores, read_cpuinfo

@@ -100,11 +100,8 @@ class NestedKVCache(KVCache):
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys, values):
-        if (self.valid is not None or self.flat_keys is not None) and not getattr(self, "_hooked", False):
-            # A loaded cache never went through make_cache: without the hook padded rows would be
-            # attended to, and per-head rows could not be attended at all.
-            _attention.hook_loaded_models()
-            self._hooked = True
+        if self.valid is not None or self.flat_keys is not None:
+            _attention.check_caller_routed()  # mlx-lm's attention would attend the padding
         n_new = keys.shape[2]
         if not self.compressed:
             if n_new == 1 and self._saw_prefill:
@@ -184,6 +181,9 @@ class NestedKVCache(KVCache):
         return self.keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
+        model = _attention.calling_model()  # a loaded cache never went through make_cache
+        if model is not None:
+            _route(model, required=False)
         # Keys are the stored rows: "causal" aligns to their end, arrays are built over them.
         return create_attention_mask(N, offset=self.stored, return_array=return_array, window_size=window_size)
 
@@ -461,6 +461,13 @@ class NestedKVCache(KVCache):
 mlx_cache.NestedKVCache = NestedKVCache
 
 
+def _route(model, required: bool) -> None:
+    # Adaptive budgets need the attention hook; elsewhere it only serves the CPU fast path, so a model without
+    # it runs as is.
+    install_attention_hook(model, required=required)
+    install_swiglu_hook(model)
+
+
 # -- public API ------------------------------------------------------------------------------
 def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None) -> list[NestedKVCache]:
     """One NestedKVCache per layer; a drop-in ``prompt_cache`` for mlx-lm.
@@ -468,10 +475,11 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
 
-    Installs ``attention.attention`` in the model's module where it can (required for adaptive budgets),
-    and ``activations.swiglu``. That routes every model of that module through them from then on, whatever
-    its cache: on the CPU its long prefill chunks then take the row-split attention, and its SwiGLU a
-    power of 2 for exp (each within 1e-6 of mlx's, not bit-identical).
+    Routes this model instance's attention through ``attention.attention`` where it can (required for
+    adaptive budgets) and its SwiGLU through ``activations.swiglu``, whatever cache it runs with; other
+    models and mlx-lm's modules are left alone. Both are mlx-lm's functions unless the CPU fast path is on
+    (``nestedkv.enable_cpu_fast_path``): then on the CPU long prefill chunks take the row-split attention and
+    exp is a power of 2 (each within 1e-6 of mlx's, not bit-identical).
     """
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
@@ -482,9 +490,7 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
             raise ValueError(
                 f"layer {i} uses {type(c).__name__}; NestedKV compresses only full-attention KVCache layers"
             )
-    # Adaptive budgets need the hook; elsewhere it only speeds CPU prefill, so a model without it runs as is.
-    install_attention_hook(model, required=press is not None and press.head_budget == "adaptive")
-    install_swiglu_hook(model)
+    _route(model, required=press is not None and press.head_budget == "adaptive")
     return _bind([NestedKVCache(press, context_len) for _ in defaults], model, press)
 
 

@@ -11,8 +11,6 @@ diagnosis, not a search over constants.
 
 from __future__ import annotations
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-
 import argparse
 import math
 import sys
@@ -21,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import nestedkv
 from pipeline.config import RunConfig
 from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_L, TOP1
 
@@ -152,6 +151,7 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", default="data/eval_set.parquet")
     p.add_argument("--compression-ratio", default="0.75,0.9")

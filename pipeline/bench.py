@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import nestedkv
 from pipeline.config import RunConfig
 from pipeline.engine import run
 
@@ -26,6 +27,7 @@ def timed(fn):
 
 
 def main(argv=None) -> dict:
+    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
     ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--input", default="data/sample_batch.parquet")
     ap.add_argument("--task", default="qa", choices=["qa", "summarize"])

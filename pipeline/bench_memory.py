@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+import nestedkv
+
 MIB = 2**20
 
 
@@ -152,6 +154,7 @@ def main(model: str, lengths: list[int], budget: int, ratio: float, chunk: int, 
 
 
 if __name__ == "__main__":
+    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="1024,2048,4096,8192")

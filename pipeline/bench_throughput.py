@@ -16,6 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import nestedkv
 from pipeline.bench import timed as _timed
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
@@ -81,6 +82,7 @@ def measure_rerun(input: str, config: RunConfig, rerun_ratio: float, batch_size:
 
 
 def main(argv=None) -> dict:
+    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
     ap = argparse.ArgumentParser(prog="python -m pipeline.bench_throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--input", default="data/sample_batch.parquet")
     ap.add_argument("--task", default="summarize", choices=["qa", "summarize"])

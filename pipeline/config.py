@@ -182,14 +182,6 @@ class BatchOptions(GenerationSettings):
     on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
                                                  "prefill runs out of memory is redone evicting while prefilling")
 
-    def engine_options(self, **kw):
-        """The engine's options for this batch (``kw``: reference, evaluate, metrics)."""
-        from pipeline.engine import EngineOptions
-
-        return EngineOptions(batch_decode=self.batch_decode, batch_size=self.batch_size,
-                             prefill_cache=self.prefill_cache, prefill_cache_gb=self.prefill_cache_gb,
-                             on_oom=self.on_oom, **kw)
-
     def generation(self) -> dict:
         return self.model_dump(include=set(GenerationSettings.model_fields))
 

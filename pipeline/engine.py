@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from pipeline.config import REFERENCE_PRESS, RunConfig
+from pipeline.config import REFERENCE_PRESS, BatchOptions, RunConfig
 from pipeline.documents import Document, RowError, check_input, load_documents
 from pipeline.results import ERROR, OK, DocumentResult
 
@@ -59,6 +59,13 @@ class EngineOptions:
     @property
     def with_reference(self) -> bool:
         return self.reference or self.evaluate
+
+    @classmethod
+    def for_batch(cls, options: BatchOptions, **kw) -> "EngineOptions":
+        """The engine's options for a batch's ``BatchOptions`` (``kw``: reference, evaluate, metrics)."""
+        return cls(batch_decode=options.batch_decode, batch_size=options.batch_size,
+                   prefill_cache=options.prefill_cache, prefill_cache_gb=options.prefill_cache_gb,
+                   on_oom=options.on_oom, **kw)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import nestedkv
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL, contains_gold
@@ -614,6 +615,7 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
     d = SuiteOptions()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default=d.size)

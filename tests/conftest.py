@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-weight mlx-lm models (no downloads, seconds to build)."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
+
+nestedkv.enable_cpu_fast_path()  # before mlx loads (it binds its BLAS then); what the nkv CLI runs with
 
 import mlx.core as mx
 import pytest
@@ -8,6 +10,13 @@ import pytest
 from tiny import make_tiny_model
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+SLOW_KINDS = ("e2e", "server", "scaleout")  # each is slow by nature: a real model, server or work pool
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
 
 
 def build_tiny_model(arch: str = "llama", n_layers: int = 2, dtype=mx.float32, seed: int = 0):

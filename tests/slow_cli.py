@@ -6,7 +6,9 @@ names a doc_id, that document's start pauses ``$NKV_TEST_PAUSE_S`` seconds (the 
 when ``$NKV_TEST_CRASH_AT`` names one, the process ends there at once, without any cleanup (a crash).
 """
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
+
+nestedkv.enable_cpu_fast_path()  # as the nkv entry point does, before pipeline.runner loads mlx
 
 import os
 import time

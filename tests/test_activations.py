@@ -22,23 +22,24 @@ def test_swiglu_equals_mlx_lm_within_rounding(dtype, tol):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-def test_install_swiglu_hook_routes_the_model_and_keeps_its_outputs(tiny_model, monkeypatch):
+def test_install_swiglu_hook_routes_the_model_and_keeps_its_outputs(tiny_model):
     llama = importlib.import_module("mlx_lm.models.llama")
-    monkeypatch.setattr(llama, "swiglu", activations._swiglu)
     model = tiny_model("llama")
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     before = model(tokens)
     assert activations.install_swiglu_hook(model) and activations.install_swiglu_hook(model)
-    assert llama.swiglu is activations.swiglu
+    assert all(type(layer.mlp) is not llama.MLP for layer in model.layers)
+    assert llama.swiglu is activations._swiglu  # the module is left alone
     np.testing.assert_allclose(np.array(model(tokens)), np.array(before), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(llama, "swiglu", activations._swiglu)
-    nestedkv.make_cache(model, nestedkv.NestedKVPress(compression_ratio=0.5))
-    assert llama.swiglu is activations.swiglu  # make_cache installs it
+    other = tiny_model("llama")
+    nestedkv.make_cache(other, nestedkv.NestedKVPress(compression_ratio=0.5))
+    assert type(other.layers[0].mlp) is type(model.layers[0].mlp)  # make_cache routes it
 
 
 def test_a_model_with_its_own_activation_is_left_alone(tiny_model, monkeypatch):
     llama = importlib.import_module("mlx_lm.models.llama")
     own = lambda gate, x: gate * x  # noqa: E731
     monkeypatch.setattr(llama, "swiglu", own)
-    assert activations.install_swiglu_hook(tiny_model("llama")) is False
-    assert llama.swiglu is own
+    model = tiny_model("llama")
+    assert activations.install_swiglu_hook(model) is False
+    assert llama.swiglu is own and type(model.layers[0].mlp) is llama.MLP

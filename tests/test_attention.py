@@ -1,7 +1,5 @@
 """nestedkv.attention: the hook, the per-head mask, per-head (unpadded) attention, and batching with stack."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -73,30 +71,99 @@ def test_per_head_attention_equals_padded_masked_attention(mask):
         nkv_attention.per_head_attention(q, ks, vs, 0.3, mx.zeros((L, 10)))
 
 
-def test_install_attention_hook_is_idempotent_and_refuses_foreign_attention(tiny_model, monkeypatch):
+def test_install_attention_hook_routes_the_instance_and_refuses_foreign_attention(tiny_model, monkeypatch):
     import mlx_lm.models.llama as llama
 
     model = tiny_model("llama")
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
-    install_attention_hook(model)
-    install_attention_hook(model)
-    assert llama.scaled_dot_product_attention is nkv_attention.attention
+    assert install_attention_hook(model) and install_attention_hook(model)  # idempotent
+    attn = model.layers[0].self_attn
+    assert type(attn) is not llama.Attention and isinstance(attn, llama.Attention)
+    assert llama.scaled_dot_product_attention is nkv_attention._sdpa  # the module is left alone
     monkeypatch.setattr(llama, "scaled_dot_product_attention", lambda *a, **k: None)
     with pytest.raises(ValueError, match="scaled_dot_product_attention"):
-        install_attention_hook(model)
+        install_attention_hook(tiny_model("llama"))
 
 
 def test_install_attention_hook_can_leave_a_foreign_attention_alone(tiny_model, monkeypatch):
     import mlx_lm.models.llama as llama
 
-    model = tiny_model("llama")
     own = lambda *a, **k: None  # noqa: E731
     monkeypatch.setattr(llama, "scaled_dot_product_attention", own)
+    model = tiny_model("llama")
     assert install_attention_hook(model, required=False) is False
-    assert llama.scaled_dot_product_attention is own
+    assert type(model.layers[0].self_attn) is llama.Attention
     monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
     assert install_attention_hook(model, required=False) is True
-    assert llama.scaled_dot_product_attention is nkv_attention.attention
+    assert llama.scaled_dot_product_attention is nkv_attention._sdpa
+
+
+def _greedy(model, cache, ids, steps=6):
+    out = [model(ids, cache=cache)]
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_another_model_with_a_plain_cache_decodes_like_mlx_lm(tiny_model, tokens, arch):
+    """A model with a NestedKV cache (adaptive: the hook is required) beside a second model of the same
+    architecture with mlx-lm's KVCache: the second decodes bit-identically before and after, also with the
+    CPU fast path on (as in these tests), whose exp differs from mlx's within 1e-6."""
+    import mlx_lm.models.base as mlx_base
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = tokens(300, seed=4)[None]
+    plain = tiny_model(arch, seed=1)
+    want = _greedy(plain, make_prompt_cache(plain), ids)
+    ours = tiny_model(arch, seed=1)
+    cache = make_cache(ours, NestedKVPress(compression_ratio=0.5, head_budget="adaptive"))
+    ours(ids, cache=cache)
+    compress(cache)
+    assert cache[0].head_keys is not None
+    ours(ids[:, :4], cache=cache)
+    got = _greedy(plain, make_prompt_cache(plain), ids)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    module = __import__(f"mlx_lm.models.{arch}", fromlist=["x"])
+    assert module.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention
+    assert type(plain.layers[0].self_attn) is module.Attention and type(plain.layers[0].mlp) is module.MLP
+
+
+def test_without_the_fast_path_a_routed_model_is_mlx_lm(tiny_model, tokens, monkeypatch):
+    """The hook alone changes no number: with the CPU fast path off, a routed model and mlx-lm's agree bit
+    for bit, with mlx-lm's cache and with an uncompressed NestedKV cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from nestedkv import _platform
+
+    monkeypatch.setitem(_platform._state, "fast_path", False)
+    ids = tokens(300, seed=6)[None]
+    plain = tiny_model("llama", seed=2)
+    want = _greedy(plain, make_prompt_cache(plain), ids)
+    routed = tiny_model("llama", seed=2)
+    cache = make_cache(routed, NoPress())
+    assert type(routed.layers[0].self_attn) is not type(plain.layers[0].self_attn)
+    for got in (_greedy(routed, cache, ids), _greedy(routed, make_prompt_cache(routed), ids)):
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    monkeypatch.setitem(_platform._state, "fast_path", True)
+    fast = _greedy(routed, make_prompt_cache(routed), ids)
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(fast, want))  # the fast path is what differs
+
+
+def test_a_ragged_cache_refuses_a_model_that_is_not_routed(tiny_model, tokens, monkeypatch):
+    """Should the calling model not be found (a model mlx-lm's way does not cover), the cache says how to
+    route it instead of letting mlx-lm's attention read the padding."""
+    model = tiny_model("llama")
+    cache = make_cache(model, NestedKVPress(compression_ratio=0.5, head_budget="adaptive"))
+    model(tokens(200)[None], cache=cache)
+    compress(cache)
+    q = tokens(3, seed=1)[None]
+    want = model(q, cache=clone(cache))
+    monkeypatch.setattr(nkv_attention, "calling_model", lambda skip=2: None)
+    other = tiny_model("llama")
+    with pytest.raises(RuntimeError, match=r"install_attention_hook\(model\)"):
+        other(q, cache=clone(cache))
+    install_attention_hook(other)  # its SwiGLU is mlx-lm's: the same within rounding
+    assert mx.allclose(other(q, cache=clone(cache)), want, atol=1e-5).item()
 
 
 @pytest.mark.parametrize("B,L,S,streams", [(1, 512, 512, 2), (2, 100, 900, 3), (1, 64, 4096, 2), (1, 2000, 2000, 1)])
@@ -172,8 +239,7 @@ def test_row_blocks_keep_attention_sinks(monkeypatch):
 
 def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, monkeypatch):
     """A tiny model's chunked prefill and greedy decode: the same tokens with the row split forced as
-    without it (the hook is off for the reference)."""
-    import mlx_lm.models.llama as llama
+    without it (the model is routed only after the reference)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model = tiny_model("llama", n_layers=2)
@@ -190,7 +256,6 @@ def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, 
             logits = model(y, cache=cache)
         return out, logits
 
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
     want, want_logits = greedy()
     calls = []
     by_rows = nkv_attention._by_rows

@@ -1,7 +1,5 @@
 """End to end through the real ``nkv`` command with SmolLM2-135M on one ~1.3k-token document."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import os
 import subprocess
 import sys

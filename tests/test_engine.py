@@ -2,7 +2,7 @@
 configuration, evaluation rows against the no_press run, resume, retries by predicate, the batched
 decode giving the same answers, and press parameters reaching the configuration hash."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 
 import pytest
 from tiny import TINY_NAME, ByteTokenizer, sample_docs, tiny_model, use_tiny_model, write_batch
@@ -112,6 +112,7 @@ def test_zero_ratio_configuration_agrees_exactly_with_the_reference(runner):
         assert s["delta_gold_nll"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow  # 3-6 s on two busy cores
 def test_evaluate_scores_every_compressed_configuration(runner):
     items = compute(runner, docs(1)[0], configs(), reference=BASE, options=EVALUATE)
     for item in items[1:]:
@@ -179,6 +180,7 @@ def test_document_without_questions_becomes_an_error_for_every_configuration(run
     assert prefills == []
 
 
+@pytest.mark.slow  # 3-6 s on two busy cores
 @pytest.mark.parametrize("batch_decode", [False, True])
 def test_run_stores_runs_and_evaluations_and_resumes(tmp_path, monkeypatch, prefills, batch_decode):
     opts = EngineOptions(evaluate=True, batch_decode=batch_decode)
@@ -303,6 +305,7 @@ def test_batched_decode_applies_the_repetition_penalty_like_one_at_a_time(prefil
     assert outputs(one) != outputs(greedy)
 
 
+@pytest.mark.slow  # 3-6 s on two busy cores
 @pytest.mark.parametrize("task", ["qa", "summarize"])
 def test_documents_decoded_together_answer_as_one_at_a_time(tmp_path, monkeypatch, task):
     """--batch-size: documents of different lengths and questions decode as one batch, same answers,

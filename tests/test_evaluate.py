@@ -2,8 +2,6 @@
 
 import math
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import numpy as np
 import pytest
 

@@ -5,12 +5,14 @@ import pytest
 
 from tiny import TINY_NAME, sample_docs, use_tiny_model, write_batch
 
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402  (after nestedkv: OpenBLAS first)
+from prefect.testing.utilities import prefect_test_harness
 
 from flows.batch import budget_sweep, qa_batch, summarize_batch
 from pipeline.config import BatchOptions
 from pipeline.runner import Runner
 from pipeline.store import Store
+
+pytestmark = pytest.mark.slow  # every test here runs with a Prefect server (the session's harness)
 
 FAST = BatchOptions(max_new_tokens=4, prefill_step_size=128, retries=2, retry_delay_s=0)
 

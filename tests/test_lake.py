@@ -19,6 +19,9 @@ from pipeline.store import Store, StoreError
 from test_store import count, doc
 
 
+pytestmark = pytest.mark.slow  # a DuckLake per test (the scale-out store): seconds each to set up
+
+
 def lake_spec(tmp_path) -> str:
     return f"ducklake:sqlite:{tmp_path / 'meta.db'}"
 

@@ -1,5 +1,6 @@
-"""Imports go one way: flows -> pipeline -> nestedkv -> (mlx, mlx_lm). Checked on the source (lazy imports
-inside functions count too) and on what importing a package really loads."""
+"""Imports go one way: flows -> pipeline -> nestedkv -> (mlx, mlx_lm), and no module imports itself back
+through others (no import circle, inside a package too). Checked on the source (lazy imports inside functions
+count too) and on what importing a package really loads."""
 
 import ast
 import subprocess
@@ -13,6 +14,7 @@ FORBIDDEN = {
     "nestedkv": {"pipeline", "flows", "prefect", "duckdb", "pyarrow", "typer"},
     "pipeline": {"flows", "prefect", "typer"},
 }
+PACKAGES = ("nestedkv", "pipeline", "flows")
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -30,6 +32,74 @@ def test_no_module_imports_upward(package):
     bad = {str(p.relative_to(ROOT)): sorted(imported_roots(p) & FORBIDDEN[package])
            for p in sorted((ROOT / package).glob("*.py"))}
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The product modules ``path`` imports: ``from pkg import name`` is ``pkg.name`` when that is a module,
+    else ``pkg`` (its ``__init__``)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return out & modules
+
+
+def module_graph() -> dict[str, set[str]]:
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {name: imported_modules(path, set(files)) - {name} for name, path in files.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan): each holds at least one circle."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert import_circles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_between_product_modules():
+    graph = module_graph()
+    assert {"pipeline.config", "flows.batch", "nestedkv.cache"} <= set(graph)
+    assert "pipeline.config" in graph["pipeline.engine"]  # the graph sees imports
+    circles = import_circles(graph)
+    assert len(circles) == 0, circles
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

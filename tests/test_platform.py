@@ -1,7 +1,5 @@
 """OpenBLAS kernel choice (pure, no hardware needed) and what loading it does (in subprocesses)."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import ctypes.util
 import json
 import os
@@ -170,8 +168,63 @@ def test_users_malloc_variables_win():
 def test_malloc_keeps_buffers_under_32_mib_on_the_heap():
     want = {P.M_MMAP_THRESHOLD: 32 * 2**20, P.M_TRIM_THRESHOLD: 2**30}
     if not any(k in os.environ for k in P.MALLOC_ENV):
-        assert P._state["malloc"] == want  # importing the package applied it
+        assert P._state["malloc"] == want  # enable_cpu_fast_path (conftest) applied it
     assert P.tune_malloc({}) == want
+
+
+# -- import changes nothing; the opt-in does (in fresh interpreters) ----------------------------------
+PROBE = r"""
+import ctypes, json, os, sys
+env = dict(os.environ)
+exec(sys.argv[1])
+libc = ctypes.CDLL(None)
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
+before = libc.mallinfo2().hblks
+libc.malloc(8 * 2**20)  # glibc maps 8 MiB afresh by default; the fast path's settings keep it on the heap
+maps = open("/proc/self/maps").read().lower()
+print(json.dumps({"env_same": dict(os.environ) == env, "mapped": libc.mallinfo2().hblks - before,
+                  "mlx": "mlx.core" in sys.modules, "openblas": "openblas" in maps}))
+"""
+
+
+def _probe(code: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "NKV_NO_OPENBLAS"}
+    out = subprocess.run([sys.executable, "-c", PROBE, code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's mallinfo2")
+def test_importing_the_packages_changes_nothing_in_the_process():
+    nothing = _probe("pass")
+    imported = _probe("import nestedkv, pipeline")
+    assert imported == nothing == {"env_same": True, "mapped": 1, "mlx": False, "openblas": False}
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's mallinfo2")
+def test_the_opt_in_sets_malloc_and_loads_openblas_and_restores_the_environment():
+    got = _probe("import nestedkv; nestedkv.enable_cpu_fast_path(); nestedkv.enable_cpu_fast_path()")
+    assert got["env_same"] and got["mapped"] == 0 and not got["mlx"]
+    assert got["openblas"] == (ctypes.util.find_library("openblas") is not None)
+
+
+@needs_openblas
+def test_the_opt_in_after_mlx_says_it_is_too_late_for_the_blas():
+    code = ("import warnings, json, mlx.core, nestedkv\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); info = nestedkv.enable_cpu_fast_path()\n"
+            "print(json.dumps([info['library'], [str(x.message) for x in w]]))")
+    env = {k: v for k, v in os.environ.items() if k != "NKV_NO_OPENBLAS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    library, warned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert library == "mlx's bundled reference BLAS" and "before importing mlx" in warned[0]
 
 
 # -- bench -------------------------------------------------------------------------------------

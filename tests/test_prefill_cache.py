@@ -1,8 +1,6 @@
 """The prefill cache: a re-run with a new budget loads the uncompressed prefill instead of computing it,
 answers stay identical, damaged entries are recomputed, and the folder stays under its cap."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import logging
 
 import pytest

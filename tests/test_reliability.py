@@ -7,8 +7,6 @@ documents beside a bad one were done. No row lets a raw terminal escape through.
 real command in a subprocess (tests/slow_cli.py) on a tiny model directory.
 """
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import hashlib
 import logging
 import os
@@ -551,10 +549,11 @@ def started(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def keep_sigterm():
-    """The CLI installs a SIGTERM handler; the test process gets its own back."""
-    before = signal.getsignal(signal.SIGTERM)
+    """The CLI installs SIGTERM and SIGINT handlers; the test process gets its own back."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
-    signal.signal(signal.SIGTERM, before)
+    for s, handler in before.items():
+        signal.signal(s, handler)
 
 
 def one_error_line(res, words) -> str:
@@ -566,10 +565,19 @@ def one_error_line(res, words) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=True)]
-                                               if c.xfail else []) for c in CASES])
+def runs_a_flow(case: Case) -> bool:
+    return case.code == 0 and case.args[0] in ("run", "sweep")
+
+
+def marks(case: Case) -> list:
+    # A row that runs a flow needs the Prefect server: the slow lane's
+    return ([pytest.mark.xfail(reason=case.xfail, strict=True)] if case.xfail else []) + \
+        ([pytest.mark.slow] if runs_a_flow(case) else [])
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=marks(c)) for c in CASES])
 def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
-    if case.code == 0 and case.args[0] in ("run", "sweep"):
+    if runs_a_flow(case):
         request.getfixturevalue("prefect_api")
     ctx = Ctx(tmp_path, monkeypatch)
     try:
@@ -640,10 +648,14 @@ def prefect_env(prefect_api, tmp_path_factory) -> dict:
             "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect"))}
 
 
+IGNORE_SIGINT_THEN_EXEC = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+
+
 class Batch:
     """``nkv run`` over four documents in a subprocess, stopped while the second document starts."""
 
-    def __init__(self, tmp: Path, model_dir: str, prefect_env: dict, own_server: bool, **env):
+    def __init__(self, tmp: Path, model_dir: str, prefect_env: dict, own_server: bool, sigint_ignored: bool = False,
+                 **env):
         self.tmp, self.model_dir = tmp, model_dir
         self.db = tmp / "runs.duckdb"
         self.input = write_batch(tmp / "four.parquet", docs(4))
@@ -656,8 +668,11 @@ class Batch:
             e.pop("PREFECT_API_URL", None)
         self.err = tmp / "stderr.txt"  # a file, not a pipe: a full pipe would stall the command
         with open(tmp / "stdout.txt", "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "slow_cli.py"), *self.args], env=e,
-                                         stdout=out, stderr=err, cwd=tmp)
+            # sigint_ignored: started as a non-interactive shell starts a background job (`nkv run ... &`); an
+            # ignored signal stays ignored across exec
+            ignoring = [sys.executable, "-c", IGNORE_SIGINT_THEN_EXEC] if sigint_ignored else []
+            self.proc = subprocess.Popen([*ignoring, sys.executable, str(ROOT / "tests" / "slow_cli.py"), *self.args],
+                                         env=e, stdout=out, stderr=err, cwd=tmp)
 
     def wait_for(self, doc_id: str, timeout: float = 120) -> None:
         end = time.monotonic() + timeout
@@ -719,7 +734,9 @@ def batches(tmp_path_factory, model_dir, prefect_env):
     def start(name: str, own_server: bool, **env) -> Batch:
         return Batch(tmp_path_factory.mktemp(name), model_dir, prefect_env, own_server, **env)
 
-    started = {"SIGTERM": start("term", True), "SIGINT": start("int", False), "SIGKILL": start("kill", True),
+    # SIGINT: inherited ignored, which used to leave the interrupted command holding the store
+    started = {"SIGTERM": start("term", True), "SIGINT": start("int", False, sigint_ignored=True),
+               "SIGKILL": start("kill", True),
                "crash": start("crash", False, NKV_TEST_CRASH_AT="doc-2", NKV_TEST_PAUSE_AT="")}
     yield started
     for b in started.values():
@@ -728,6 +745,7 @@ def batches(tmp_path_factory, model_dir, prefect_env):
             b.proc.wait()
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_a_run_exits_cleanly(sig, code, batches):
     """The run is closed (not left ``running``), the finished document kept, the temporary server stopped.
@@ -761,6 +779,7 @@ def test_signal_during_a_run_exits_cleanly(sig, code, batches):
         assert done == [{"doc_id": f"doc-{i}", "n": 1, "ok": True} for i in range(4)]
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 def test_sigkill_leaves_no_process_and_the_next_command_closes_the_run(batches):
     b = batches["SIGKILL"]
     b.wait_for("doc-1")
@@ -774,6 +793,7 @@ def test_sigkill_leaves_no_process_and_the_next_command_closes_the_run(batches):
     assert b.statuses() == ["interrupted", "completed"]
 
 
+@pytest.mark.slow  # real commands in subprocesses, with a Prefect server
 def test_crash_between_documents_then_resume(batches):
     b = batches["crash"]
     rc, _ = b.finish(timeout=120)

@@ -1,7 +1,5 @@
 """``nkv eval`` then ``nkv report`` on a tiny random model: the table, the markdown and the PNG plot."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import pytest
 from tiny import TINY_NAME, sample_docs, use_tiny_model, write_batch
 from typer.testing import CliRunner
@@ -100,6 +98,7 @@ def test_report_on_a_store_without_evaluations_says_so(tmp_path):
         build_report(db)
 
 
+@pytest.mark.slow  # an evaluation and a report through the CLI
 def test_cli_eval_then_report(tmp_path, monkeypatch):
     with use_tiny_model(monkeypatch):
         batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 300))

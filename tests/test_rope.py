@@ -1,6 +1,6 @@
 """Scoring keys with the rotary embedding undone (press parameter ``unrotate``)."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv  # noqa: F401
 
 import json
 

@@ -1,6 +1,6 @@
 """The runner on a tiny random model: compress once, questions appended and never evicted, rewind."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
+import nestedkv
 
 import mlx.core as mx
 import pytest

@@ -296,6 +296,7 @@ def test_shards_split_evenly_and_name_the_batch(tmp_path):
     assert other[0].key != shards[0].key and other[0].path != shards[0].path
 
 
+@pytest.mark.slow  # over 3 s on two busy cores
 def test_pool_needs_a_lake(tmp_path):
     res = subprocess.run(NKV + ["run", "--pool", "p", "--shards", "2", "--db", str(tmp_path / "runs.duckdb")],
                          capture_output=True, text=True, timeout=120, env=clean_env(tmp_path))

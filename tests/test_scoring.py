@@ -1,7 +1,5 @@
 """Scoring checked step by step against a plain float64 numpy reference of the spec (section 1)."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import math
 
 import mlx.core as mx

@@ -1,7 +1,5 @@
 """Budget rounding, uniform and adaptive (head-competition) selection, and argument checking."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -77,6 +77,7 @@ def get(url):
         return None
 
 
+@pytest.mark.slow  # nkv in a subprocess
 @pytest.mark.parametrize("api_url", [None, "closed-port"])
 def test_serve_without_a_server_says_how_to_start_one(tmp_path, api_url):
     if api_url == "closed-port":

@@ -1,7 +1,5 @@
 """prefill="streaming": eviction during the chunked prefill with a bounded number of stored rows."""
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import dataclasses
 
 import mlx.core as mx

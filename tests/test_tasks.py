@@ -160,6 +160,7 @@ def test_suite_ablation_variants_can_be_chosen():
         suite.SuiteOptions(variants=("keydiff",))  # a baseline, not a NestedKV variant
 
 
+@pytest.mark.slow  # the whole suite on a tiny model
 def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
                               size="quick", lengths=(768,), tasks=("niah_single", "variable_tracking"),
@@ -199,6 +200,7 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     assert loads == [] and timeless(again.markdown_path.read_text()) == timeless(text)
 
 
+@pytest.mark.slow  # suite runs through the CLI
 def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 

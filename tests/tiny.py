@@ -10,8 +10,6 @@ writes it as a llama.cpp GGUF file instead.
 
 from __future__ import annotations
 
-import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
-
 import json
 from contextlib import contextmanager
 from pathlib import Path
