@@ -159,10 +159,10 @@ def test_batched_decode_gives_the_same_answers_and_scores(runner, prefills):
 def test_a_failing_configuration_does_not_lose_the_others(runner, monkeypatch):
     real = nestedkv.clone
 
-    def flaky(cache, press=None):
+    def flaky(cache, press=None, **kw):
         if press is not None and press.name == "keydiff":
             raise RuntimeError("boom")
-        return real(cache, press)
+        return real(cache, press, **kw)
 
     monkeypatch.setattr(nestedkv, "clone", flaky)
     for opts in (EVALUATE, BATCHED):
