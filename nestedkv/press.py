@@ -22,6 +22,8 @@ from nestedkv.selection import (
 
 
 PREFILL_MODES = ("whole", "streaming")
+KV_BITS = (4, 8)  # quantized KV (mx.quantize, affine): the widths mlx-lm users pass as --kv-bits
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts; 64 is mlx-lm's default
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class BasePress:
     # "whole": compress once after the last prefill chunk. "streaming": also evict down to the budget during
     # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see cache.py).
     prefill: str = "whole"
+    # Quantize the kept rows (and rows appended later) to kv_bits, in groups of kv_group_size along the head
+    # dimension, once compression is done; None: keep the model's dtype. Scoring always sees the real keys.
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
     def __post_init__(self):
         check_ratio(self.compression_ratio)
@@ -50,6 +56,7 @@ class BasePress:
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
+        check_kv_bits(self.kv_bits, self.kv_group_size)
 
     def score(self, keys: mx.array) -> mx.array:
         raise NotImplementedError
@@ -66,7 +73,10 @@ class BasePress:
         return select(self.score(keys), keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
 
     def to_json(self) -> str:
-        return json.dumps({"press": self.name, **asdict(self)}, sort_keys=True)
+        params = asdict(self)
+        if self.kv_bits is None:  # unquantized presses keep the JSON (and run hashes) they had before kv_bits
+            del params["kv_bits"], params["kv_group_size"]
+        return json.dumps({"press": self.name, **params}, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "BasePress":
@@ -77,6 +87,14 @@ class BasePress:
         if "prior" in params:
             params["prior"] = tuple(params["prior"])
         return get_press(name, **params)
+
+
+def check_kv_bits(kv_bits, kv_group_size) -> None:
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None: no quantization), "
+                         f"got {kv_bits!r}")
+    if kv_group_size not in KV_GROUP_SIZES or isinstance(kv_group_size, bool):
+        raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
 
 
 @dataclass(frozen=True)
