@@ -163,7 +163,7 @@ def invalid(exc: Exception) -> None:
 def press_grid(press: dict) -> dict:
     """The press options as lists (the budget-sweep flow's parameters and ``make_configs``'s arguments);
     an empty head budget means each press's default."""
-    from pipeline.config import parse_press_param
+    from pipeline.config import parse_kv_bits, parse_press_param
 
     return {
         "presses": split_list(press["press"], str, "--press"),
@@ -172,6 +172,8 @@ def press_grid(press: dict) -> dict:
         "head_budgets": split_list(press["head_budget"], str, "--head-budget") or [None],
         "prefills": split_list(press["prefill"], str, "--prefill") or ["whole"],
         "press_params": dict(parse_press_param(p) for p in press["press_param"] or []),
+        "kv_bits": [parse_kv_bits(b) for b in (press["kv_bits"] or "none").split(",") if b.strip()] or [None],
+        "kv_group_sizes": split_list(press["kv_group_size"], int, "--kv-group-size") or [64],
     }
 
 
@@ -185,7 +187,8 @@ def build(task: str, model: str, press: dict, generation: dict):
         grid = press_grid(press)
         base = RunConfig(task=task, model=model, **options.generation())
         configs = make_configs(base, grid["presses"], grid["compression_ratios"], grid["budgets"] or (),
-                               grid["head_budgets"], grid["prefills"], grid["press_params"])
+                               grid["head_budgets"], grid["prefills"], grid["press_params"], grid["kv_bits"],
+                               grid["kv_group_sizes"])
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         invalid(exc)
     return configs, options

@@ -208,3 +208,94 @@ def test_bad_quantization_settings_are_refused_before_any_work():
         stack([a, b])
     with pytest.raises(ValueError, match="kv_bits"):
         a[0].to_quantized(bits=4)  # mlx-lm's kv_bits would bypass the press: pointed at the press's option
+
+
+def test_press_json_and_run_hash():
+    from pipeline.config import RunConfig
+    from pipeline.engine import make_configs
+
+    assert "kv_bits" not in NestedKVPress().to_json()  # unquantized presses (and old saved caches) unchanged
+    p = NestedKVPress(compression_ratio=0.5, kv_bits=4, kv_group_size=32)
+    assert NestedKVPress.from_json(p.to_json()) == p
+    base = RunConfig(task="qa")
+    assert "kv_bits" not in base.canonical_json()  # 16-bit runs keep their hashes: old stores still resume
+    hashes = {RunConfig(task="qa", kv_bits=b, kv_group_size=g).config_hash() for b in (None, 4, 8) for g in (32, 64)}
+    assert len(hashes) == 5  # group size only matters when quantized
+    q8 = RunConfig(task="qa", press="no_press", compression_ratio=0.0, kv_bits=8)
+    assert not q8.is_reference and q8.reference().kv_bits is None and q8.label() == "no_press kv8"
+    cfgs = make_configs(base, ["no_press", "keydiff"], [0.75], kv_bits=[None, 4])
+    assert [(c.press, c.kv_bits) for c in cfgs] == [("no_press", None), ("no_press", 4), ("keydiff", None),
+                                                    ("keydiff", 4)]
+    with pytest.raises(ValueError, match="kv_bits"):
+        RunConfig(kv_bits=3)
+    with pytest.raises(ValueError, match="kv_group_size"):
+        RunConfig(kv_group_size=50)
+
+
+def test_pipeline_answers_and_stores_quantized_bytes(tmp_path):
+    """The engine end to end: configurations quantized at 4 and 8 bits answer (batched and not), and the store's
+    memory_savings shows the combined saving against the model dtype's full cache."""
+    from pipeline.config import RunConfig
+    from pipeline.documents import Document
+    from pipeline.engine import EngineOptions, compute, make_configs
+    from pipeline.evaluate import evaluation_rows
+    from pipeline.report import build_report
+    from pipeline.runner import Runner
+    from pipeline.store import Store
+
+    base = RunConfig(task="qa", model="tiny", press="no_press", compression_ratio=0.0, max_new_tokens=4,
+                     prefill_step_size=128)
+    runner = Runner(model64(), ByteTokenizer(), base, max_context=4096)
+    doc = Document(**sample_docs(1, 500)[0])
+    cfgs = make_configs(base, ["no_press", "nestedkv"], [0.75], kv_bits=[None, 4, 8])
+    outs, outcomes = {}, {}
+    for batched in (False, True):
+        got = compute(runner, doc, cfgs, reference=cfgs[0], options=EngineOptions(evaluate=True, batch_decode=batched))
+        outcomes[batched] = got
+        outs[batched] = {o.config: o.result for o in got}
+        assert all(r.status == "ok" for r in outs[batched].values())
+    # decoded together or one at a time: the same answers
+    assert {c: [q.output for q in r.questions] for c, r in outs[False].items()} == \
+           {c: [q.output for q in r.questions] for c, r in outs[True].items()}
+    db = str(tmp_path / "s.duckdb")
+    with Store(db) as store:
+        runs = {o.config: store.start_run(o.config, "x") for o in outcomes[False]}
+        ref = runs[cfgs[0]]
+        store.write_results([(runs[o.config], o.result, evaluation_rows(runs[o.config], o.result, o.scores, ref))
+                             for o in outcomes[False]])
+        rows = store.query("SELECT press, kv_bits, bytes_full, bytes_resident, resident_share FROM memory_savings "
+                           "ORDER BY press, kv_bits NULLS FIRST").to_pylist()
+        # the quantized no_press run is compared with the 16-bit one, like any compressed run
+        twins = store.query("SELECT DISTINCT press, kv_bits FROM quality_vs_full ORDER BY ALL").to_pylist()
+    assert [(t["press"], t["kv_bits"]) for t in twins] == [("nestedkv", 4), ("nestedkv", 8), ("nestedkv", None),
+                                                         ("no_press", 4), ("no_press", 8)]
+    rep = build_report(db)  # nkv report: one row per KV width, the 16-bit no_press as the reference
+    assert [(r["press"], r["kv_bits"]) for r in rep.rows] == [("no_press", None), ("no_press", 8), ("no_press", 4),
+                                                            ("nestedkv", None), ("nestedkv", 8), ("nestedkv", 4)]
+    assert "KV bits" in rep.markdown
+    by = {(r["press"], r["kv_bits"]): r for r in rows}
+    full = by[("no_press", None)]["bytes_full"]
+    assert all(r["bytes_full"] == full for r in rows)  # full stays the fp32 uncompressed cache
+    for (press, bits), r in by.items():
+        res = outs[False][next(c for c in cfgs if (c.press, c.kv_bits) == (press, bits))]
+        assert r["bytes_resident"] == sum(m.bytes_resident for m in res.layers)
+    # 4 bits + 64-value groups with fp32 scales: 40 of 256 bytes per row; 8 bits: 72 of 256
+    assert by[("no_press", 4)]["resident_share"] == pytest.approx(40 / 256)
+    assert by[("no_press", 8)]["resident_share"] == pytest.approx(72 / 256)
+    assert by[("nestedkv", 4)]["resident_share"] < 0.25 * 40 / 256 * 1.1
+
+
+def test_cli_refuses_bad_kv_options_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "x.duckdb"
+    for flag, value, text in (("--kv-bits", "3", "--kv-bits must be 4 or 8"),
+                              ("--kv-group-size", "48", "kv_group_size must be one of 32, 64, 128")):
+        res = subprocess.run([sys.executable, "-m", "flows.cli", "run", flag, value, "--db", str(db)],
+                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, timeout=120)
+        assert res.returncode == 2, res.stderr
+        lines = [x for x in res.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], res.stderr
+    assert not db.exists()  # refused before anything was created
