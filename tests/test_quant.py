@@ -299,3 +299,22 @@ def test_cli_refuses_bad_kv_options_in_one_line(tmp_path):
         lines = [x for x in res.stderr.splitlines() if x.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], res.stderr
     assert not db.exists()  # refused before anything was created
+
+
+def test_kv_settings_reach_the_flows_and_deployments():
+    """A deployment's parameters (what ``nkv serve`` and the fan-out submit) carry the KV width into each flow."""
+    import inspect
+
+    from flows.batch import budget_sweep, sharded_batch, summarize_batch
+    from flows.cli import press_grid
+    from flows.deploy import batch_parameters, config_settings
+    from pipeline.config import RunConfig
+
+    params = batch_parameters(**config_settings(RunConfig(kv_bits=4, kv_group_size=32), "in.parquet", "x.duckdb"))
+    assert (params["kv_bits"], params["kv_group_size"]) == (4, 32)
+    inspect.signature(summarize_batch.fn).bind(**params)
+    inspect.signature(sharded_batch.fn).bind(pool="macs", **params)
+    grid = press_grid({"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
+                       "prefill": "whole", "press_param": None, "kv_bits": "16,8,4", "kv_group_size": "64"})
+    assert grid["kv_bits"] == [None, 8, 4]
+    inspect.signature(budget_sweep.fn).bind(input="x", **grid)
