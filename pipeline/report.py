@@ -191,7 +191,7 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
     multi = len({r["model"] for r in rows}) > 1
     lines: dict[str, list[dict]] = {}
     for r in rows:
-        if (r["press"] == "no_press" and not r.get("kv_bits")) or r["budget"]:
+        if r["press"] == "no_press" or r["budget"]:
             continue  # the reference is a horizontal line; absolute budgets have no ratio to plot against
         lines.setdefault(f"{r['model']}: {_label(r)}" if multi else _label(r), []).append(r)
     for name, pts in lines.items():
@@ -199,15 +199,19 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
         xs = [p["compression_ratio"] for p in pts]
         press = pts[0]["press"]
         rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER) + len(lines)
-        style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{rank - 1}", "label": name,
+        shade = {None: 0, 8: 6, 4: 7}.get(pts[0].get("kv_bits"), 8)  # one color per method and KV width
+        style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{(rank - 1 + shade) % 10}", "label": name,
                  "linestyle": "--" if pts[0]["head_budget"] == "adaptive" else "-",
                  "linewidth": 2.5 if press == "nestedkv" else 1.5}
         ax_acc.plot(xs, [_num(p["accuracy"]) for p in pts], **style)
         ax_nll.plot(xs, [_num(p["delta_nll"]) for p in pts], **style)
-    for r in rows:
-        if r["press"] == "no_press" and not r.get("kv_bits") and r["accuracy"] is not None:
-            ax_acc.axhline(r["accuracy"], color="black", linestyle=":", linewidth=1.2,
-                           label=f"no_press ({r['accuracy']:.2f})")
+    for r in rows:  # the uncompressed runs are horizontal lines, one style per KV width
+        if r["press"] == "no_press" and r["accuracy"] is not None:
+            bits = r.get("kv_bits")
+            line = {"color": "black", "linestyle": {None: ":", 8: "-."}.get(bits, "--"), "linewidth": 1.2}
+            ax_acc.axhline(r["accuracy"], **line, label=f"{_label(r)} ({r['accuracy']:.2f})")
+            if bits and r["delta_nll"] is not None:
+                ax_nll.axhline(r["delta_nll"], **line, label=f"{_label(r)} ({r['delta_nll']:+.2f})")
     ax_nll.axhline(0.0, color="black", linestyle=":", linewidth=1.2, label="no_press (0)")
     ax_acc.set(title="Answer accuracy (gold contained)", xlabel="compression ratio (fraction removed)",
                ylabel="accuracy", ylim=(-0.02, 1.02))

@@ -239,7 +239,7 @@ def test_pipeline_answers_and_stores_quantized_bytes(tmp_path):
     from pipeline.documents import Document
     from pipeline.engine import EngineOptions, compute, make_configs
     from pipeline.evaluate import evaluation_rows
-    from pipeline.report import build_report
+    from pipeline.report import write_report
     from pipeline.runner import Runner
     from pipeline.store import Store
 
@@ -269,7 +269,8 @@ def test_pipeline_answers_and_stores_quantized_bytes(tmp_path):
         twins = store.query("SELECT DISTINCT press, kv_bits FROM quality_vs_full ORDER BY ALL").to_pylist()
     assert [(t["press"], t["kv_bits"]) for t in twins] == [("nestedkv", 4), ("nestedkv", 8), ("nestedkv", None),
                                                          ("no_press", 4), ("no_press", 8)]
-    rep = build_report(db)  # nkv report: one row per KV width, the 16-bit no_press as the reference
+    rep = write_report(db, tmp_path / "report")  # nkv report: one row per KV width, the 16-bit no_press as reference
+    assert rep.plot_path.stat().st_size > 0
     assert [(r["press"], r["kv_bits"]) for r in rep.rows] == [("no_press", None), ("no_press", 8), ("no_press", 4),
                                                             ("nestedkv", None), ("nestedkv", 8), ("nestedkv", 4)]
     assert "KV bits" in rep.markdown
