@@ -92,6 +92,10 @@ class PressSettings(_Settings):
 
     @model_validator(mode="after")
     def _press_accepts(self):
+        clash = sorted(set(self.press_params) & set(PressSettings.model_fields))
+        if clash:  # e.g. kv_bits as a press parameter would bypass runs.kv_bits and the views
+            raise ValueError(f"press_params {clash}: these are options of their own (--{clash[0].replace('_', '-')}), "
+                             "not press parameters")
         self.make_press()  # the press validates its own parameters (names and ranges)
         return self
 

@@ -230,6 +230,8 @@ def test_press_json_and_run_hash():
         RunConfig(kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size"):
         RunConfig(kv_group_size=50)
+    with pytest.raises(ValueError, match="options of their own"):
+        RunConfig(press_params={"kv_bits": 4})
 
 
 def test_pipeline_answers_and_stores_quantized_bytes(tmp_path):
