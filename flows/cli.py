@@ -249,7 +249,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
-    check_before_flow(input, model, db, options.wait, data_path)
+    check_before_flow(input, model, db, options.wait, data_path, configs=configs)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
         if len(configs) == 1:
@@ -322,7 +322,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
-    check_before_flow(input, model, db, options.wait)
+    check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
@@ -400,7 +400,7 @@ def check_input_early(input: str) -> None:
 
 
 def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None,
-                      load: bool = True) -> None:
+                      load: bool = True, configs=()) -> None:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
     leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
     damaged file; the flow reuses this process's copy), and that the store opens for writing.
@@ -410,10 +410,23 @@ def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_p
 
     check_input_early(input)
     with user_errors():
-        (load_model if load else check_reference)(model)  # a bad reference fails before any loading
+        loaded = (load_model if load else check_reference)(model)  # a bad reference fails before any loading
+        if load:
+            check_kv_group_size(loaded[0], configs)
         with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass
+
+
+def check_kv_group_size(model, configs) -> None:
+    """A quantization group that does not divide the model's head dimension: one line, before any prefill."""
+    from nestedkv.cache import check_group_size
+
+    for size in sorted({c.kv_group_size for c in configs if c.kv_bits is not None}):
+        try:
+            check_group_size(model, size)
+        except ValueError as exc:
+            fail(f"--kv-group-size: {exc}")
 
 
 @app.command()
@@ -451,7 +464,7 @@ def eval_(
         engine_options = options.engine_options(evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
-    check_before_flow(input, model, db, options.wait)
+    check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), batch_progress(configs_bar=True) as hooks:

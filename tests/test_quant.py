@@ -293,10 +293,14 @@ def test_cli_refuses_bad_kv_options_in_one_line(tmp_path):
     import subprocess
     import sys
 
+    from tiny import save_tiny_model_dir
+
     db = tmp_path / "x.duckdb"
-    for flag, value, text in (("--kv-bits", "3", "--kv-bits must be 4 or 8"),
-                              ("--kv-group-size", "48", "kv_group_size must be one of 32, 64, 128")):
-        res = subprocess.run([sys.executable, "-m", "flows.cli", "run", flag, value, "--db", str(db)],
+    model = str(save_tiny_model_dir(tmp_path / "tiny"))  # head dimension 16: no quantization group divides it
+    for args, text in ((["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
+                       (["--kv-group-size", "48"], "kv_group_size must be one of 32, 64, 128"),
+                       (["--kv-bits", "4", "--model", model], "must divide the model's head dimension 16")):
+        res = subprocess.run([sys.executable, "-m", "flows.cli", "run", *args, "--db", str(db)],
                              capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, timeout=120)
         assert res.returncode == 2, res.stderr
         lines = [x for x in res.stderr.splitlines() if x.strip()]
