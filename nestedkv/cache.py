@@ -48,7 +48,7 @@ import nestedkv.attention as _attention
 from nestedkv.accounting import LayerMemory
 from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
-from nestedkv.press import BasePress, NoPress
+from nestedkv.press import KV_GROUP_SIZES, BasePress, NoPress
 from nestedkv.selection import select
 from nestedkv.streaming import StreamState
 
@@ -260,10 +260,7 @@ class NestedKVCache(KVCache):
         return "bits" in vars(self)
 
     def _quantize(self, x: mx.array) -> tuple:
-        d = x.shape[-1]
-        if d % self.group_size:
-            raise ValueError(f"kv_group_size={self.group_size} must divide the head dimension {d}; "
-                             f"choose one of {', '.join(str(g) for g in (32, 64, 128) if d % g == 0) or 'none'}")
+        _check_divides(self.group_size, x.shape[-1])
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def _quantize_rows(self) -> None:
@@ -579,9 +576,15 @@ def check_group_size(model, group_size: int) -> None:
     """Quantized KV needs the group size to divide the head dimension: say so before any prefill."""
     args = getattr(model, "args", None)
     d = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1)))
-    if d and d % group_size:
-        raise ValueError(f"kv_group_size={group_size} must divide the model's head dimension {d}; choose one of "
-                         f"{', '.join(str(g) for g in (32, 64, 128) if d % g == 0) or 'none'}")
+    if d:
+        _check_divides(group_size, d)
+
+
+def _check_divides(group_size: int, head_dim: int) -> None:
+    if head_dim % group_size:
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+        raise ValueError(f"kv_group_size={group_size} must divide the model's head dimension {head_dim}; "
+                         f"{'choose ' + ' or '.join(fits) if fits else 'this model cannot be KV-quantized'}")
 
 
 def _check_cache(cache) -> None:

@@ -75,10 +75,9 @@ class PressSettings(_Settings):
     @field_validator("kv_group_size")
     @classmethod
     def _group_size(cls, v: int) -> int:
-        from nestedkv.press import KV_GROUP_SIZES
+        from nestedkv.press import check_kv_bits
 
-        if v not in KV_GROUP_SIZES:  # checked with or without kv_bits: a typo should not pass silently
-            raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {v}")
+        check_kv_bits(None, v)  # with or without kv_bits: a typo should not pass silently
         return v
 
     @field_validator("press")
@@ -221,11 +220,14 @@ class BatchOptions(GenerationSettings):
 
 def parse_kv_bits(text: str) -> Optional[int]:
     """A ``--kv-bits`` value: 4 or 8, or 16/none for the model's own dtype (one axis of a sweep)."""
+    from nestedkv.press import KV_BITS
+
     t = text.strip().lower()
     if t in ("16", "none"):
         return None
-    if t not in ("4", "8"):
-        raise ValueError(f"--kv-bits must be 4 or 8 (16 or none: no quantization), got {text.strip()!r}")
+    if t not in {str(b) for b in KV_BITS}:
+        raise ValueError(f"--kv-bits must be {' or '.join(map(str, KV_BITS))} (16 or none: no quantization), "
+                         f"got {text.strip()!r}")
     return int(t)
 
 
