@@ -146,8 +146,6 @@ class NestedKVCache(KVCache):
             _attention.hook_loaded_models()
             self._hooked = True
         n_new = keys.shape[2]
-        if self.quantized:  # the rows compression kept are quantized: new rows join them quantized
-            keys, values = self._quantize(keys), self._quantize(values)
         if not self.compressed:
             if n_new == 1 and self._saw_prefill:
                 # Inside mlx_lm.generate: the first single-token step follows the chunked prefill.
@@ -156,6 +154,8 @@ class NestedKVCache(KVCache):
                 self._saw_prefill = True
         if not self.compressed and self.press.prefill == "streaming":
             self._stream_step(keys)
+        if self.quantized:  # after the compress above: new rows join the kept ones quantized
+            keys, values = self._quantize(keys), self._quantize(values)
         if self.flat_keys is not None:
             out = self._append_per_head(keys, values)
         else:

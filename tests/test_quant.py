@@ -76,6 +76,28 @@ def test_r0_quantized_equals_mlx_lm_quantized_kv_cache(press):
     assert first_difference(got, want) is None
 
 
+def test_inside_mlx_lm_generate_it_compresses_quantizes_and_equals_mlx_lm_at_r0():
+    """In generate_step the cache compresses (and quantizes) itself on the first single-token call; at r = 0 and
+    8 bits the tokens are mlx-lm's own with kv_bits=8 from the end of the prompt's prefill."""
+    from mlx_lm.generate import generate_step
+
+    model = model64()
+    install_attention_hook(model)
+    prompt = toks(301)
+
+    def run(cache, **kw):
+        out = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=10,
+                                                 prefill_step_size=128, **kw)]
+        return out, cache
+
+    ours, cache = run(make_cache(model, NoPress(kv_bits=8)))
+    theirs, _ = run([KVCache() for _ in model.layers], kv_bits=8, kv_group_size=64,
+                    quantized_kv_start=prompt.shape[0] - 1)
+    assert all(c.quantized for c in cache) and ours == theirs
+    evicted, cache = run(make_cache(model, NestedKVPress(compression_ratio=0.5, kv_bits=4)))
+    assert len(evicted) == 10 and all(c.quantized and c.n_ctx_rows == 150 for c in cache)
+
+
 def _rows(cache_layer):
     """Each layer's stored rows (per-head: the flat buffer), whatever the layout."""
     c = cache_layer
