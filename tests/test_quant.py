@@ -20,6 +20,7 @@ from nestedkv import (
     layer_stats,
     make_cache,
     stack,
+    take,
 )
 
 
@@ -152,6 +153,10 @@ def test_adaptive_quantized_is_padding_free_and_equals_the_padded_layout():
     together = model(qq, cache=both)
     assert mx.allclose(together[0], model(q, cache=a)[0], atol=1e-4).item()
     assert mx.allclose(together[1], model(qq[1:], cache=b)[0], atol=1e-4).item()
+    left = take(both, [1])  # the other entry finished: this one decodes on alone, still quantized
+    y = toks(1, seed=5)[None]
+    assert all(c.quantized for c in left)
+    assert mx.allclose(model(y, cache=left)[0], model(y, cache=b)[0], atol=1e-4).item()
 
 
 @pytest.mark.parametrize("head_budget", ["uniform", "adaptive"])
