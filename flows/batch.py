@@ -104,16 +104,19 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
 
 def batch_config(task_name: Task, press: str, compression_ratio: float, budget: Optional[int],
                  head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str,
-                 options: BatchOptions) -> RunConfig:
+                 options: BatchOptions, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> RunConfig:
     return RunConfig(task=task_name, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-                     head_budget=head_budget, prefill=prefill, press_params=press_params or {}, **options.generation())
+                     head_budget=head_budget, prefill=prefill, press_params=press_params or {}, kv_bits=kv_bits,
+                     kv_group_size=kv_group_size, **options.generation())
 
 
 def _batch(task_name: Task, input: str, press: str, compression_ratio: float, budget: Optional[int],
            head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str, db: str,
-           options: Optional[BatchOptions], hooks: Optional[Hooks]) -> Summary:
+           options: Optional[BatchOptions], hooks: Optional[Hooks], kv_bits: Optional[int] = None,
+           kv_group_size: int = 64) -> Summary:
     options = options or BatchOptions()
-    config = batch_config(task_name, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
+    config = batch_config(task_name, press, compression_ratio, budget, head_budget, prefill, press_params, model, options,
+                          kv_bits, kv_group_size)
     return run_flow(f"{task_name}-batch", input, [config], db, options, EngineOptions.for_batch(options), hooks)
 
 
@@ -133,9 +136,11 @@ def _batch_flow(task_name: Task, doc: str):
         db: str = DEFAULT_DB,
         options: BatchOptions = BatchOptions(),
         hooks: Optional[Any] = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ) -> Summary:
         return _batch(task_name, input, press, compression_ratio, budget, head_budget, prefill, press_params, model,
-                      db, options, hooks)
+                      db, options, hooks, kv_bits, kv_group_size)
 
     # Deployments import a flow by module path and function name.
     batch.__name__ = batch.__qualname__ = f"{task_name}_batch"
@@ -165,6 +170,8 @@ def budget_sweep(
     evaluate: bool = True,
     options: BatchOptions = BatchOptions(),
     hooks: Optional[Any] = None,
+    kv_bits: list[Optional[int]] = [None],
+    kv_group_sizes: list[int] = [64],
 ) -> Summary:
     """Compare presses and budgets on the same documents: one prefill per document, one run per
     configuration plus the uncompressed reference (unless ``reference`` and ``evaluate`` are off).
@@ -173,7 +180,7 @@ def budget_sweep(
     options = options or BatchOptions()
     base = RunConfig(task=task, model=model, **options.generation())
     configs = engine.make_configs(base, presses, compression_ratios, budgets or (), head_budgets, prefills,
-                                  press_params)
+                                  press_params, kv_bits, kv_group_sizes)
     return run_flow("budget-sweep", input, configs, db, options,
                     EngineOptions.for_batch(options, reference=reference, evaluate=evaluate), hooks)
 

@@ -163,7 +163,7 @@ def invalid(exc: Exception) -> None:
 def press_grid(press: dict) -> dict:
     """The press options as lists (the budget-sweep flow's parameters and ``make_configs``'s arguments);
     an empty head budget means each press's default."""
-    from pipeline.config import parse_press_param
+    from pipeline.config import parse_kv_bits, parse_press_param
 
     return {
         "presses": split_list(press["press"], str, "--press"),
@@ -172,6 +172,8 @@ def press_grid(press: dict) -> dict:
         "head_budgets": split_list(press["head_budget"], str, "--head-budget") or [None],
         "prefills": split_list(press["prefill"], str, "--prefill") or ["whole"],
         "press_params": dict(parse_press_param(p) for p in press["press_param"] or []),
+        "kv_bits": [parse_kv_bits(b) for b in (press["kv_bits"] or "none").split(",") if b.strip()] or [None],
+        "kv_group_sizes": split_list(press["kv_group_size"], int, "--kv-group-size") or [64],
     }
 
 
@@ -185,7 +187,8 @@ def build(task: str, model: str, press: dict, generation: dict):
         grid = press_grid(press)
         base = RunConfig(task=task, model=model, **options.generation())
         configs = make_configs(base, grid["presses"], grid["compression_ratios"], grid["budgets"] or (),
-                               grid["head_budgets"], grid["prefills"], grid["press_params"])
+                               grid["head_budgets"], grid["prefills"], grid["press_params"], grid["kv_bits"],
+                               grid["kv_group_sizes"])
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         invalid(exc)
     return configs, options
@@ -246,7 +249,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
-    check_before_flow(input, model, db, options.wait, data_path)
+    check_before_flow(input, model, db, options.wait, data_path, configs=configs)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
         if len(configs) == 1:
@@ -319,7 +322,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
     from flows.local_server import local_api
 
     configs, options = build(task, model, press, generation)
-    check_before_flow(input, model, db, options.wait)
+    check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
@@ -403,7 +406,7 @@ def check_input_early(input: str) -> None:
 
 
 def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_path: Optional[str] = None,
-                      load: bool = True) -> None:
+                      load: bool = True, configs=()) -> None:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
     leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
     damaged file; the flow reuses this process's copy), and that the store opens for writing.
@@ -413,10 +416,23 @@ def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_p
 
     check_input_early(input)
     with user_errors():
-        (load_model if load else check_reference)(model)  # a bad reference fails before any loading
+        loaded = (load_model if load else check_reference)(model)  # a bad reference fails before any loading
+        if load:
+            check_kv_group_size(loaded[0], configs)
         with Store(db, wait_s=wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass
+
+
+def check_kv_group_size(model, configs) -> None:
+    """A quantization group that does not divide the model's head dimension: one line, before any prefill."""
+    from nestedkv.cache import check_group_size
+
+    for size in sorted({c.kv_group_size for c in configs if c.kv_bits is not None}):
+        try:
+            check_group_size(model, size)
+        except ValueError as exc:
+            fail(f"--kv-group-size: {exc}")
 
 
 @app.command()
@@ -454,7 +470,7 @@ def eval_(
         engine_options = EngineOptions.for_batch(options, evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
-    check_before_flow(input, model, db, options.wait)
+    check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), batch_progress(configs_bar=True) as hooks:

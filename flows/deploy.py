@@ -48,11 +48,13 @@ def check_server(timeout: float = 3.0) -> str:
 
 def batch_parameters(input: str, press: str, compression_ratio: float, budget: Optional[int], head_budget: str,
                      prefill: str, press_params: Optional[dict], model: str, db: str,
-                     options: Optional[BatchOptions] = None) -> dict:
+                     options: Optional[BatchOptions] = None, kv_bits: Optional[int] = None,
+                     kv_group_size: int = 64) -> dict:
     """Every setting as a deployment parameter (``options`` holds the generation settings and retries)."""
     return {
         "input": absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
         "head_budget": head_budget, "prefill": prefill, "press_params": press_params or {},
+        "kv_bits": kv_bits, "kv_group_size": kv_group_size,
         "model": absolute(model), "db": absolute(db), "options": (options or BatchOptions()).model_dump(),
     }
 
@@ -61,7 +63,8 @@ def config_settings(config: RunConfig, input: str, db: str, options: Optional[Ba
     """``batch_parameters``' arguments for one configuration."""
     return dict(input=input, press=config.press, compression_ratio=config.compression_ratio, budget=config.budget,
                 head_budget=config.head_budget, prefill=config.prefill, press_params=config.press_params,
-                model=config.model, db=db, options=options)
+                model=config.model, db=db, options=options, kv_bits=config.kv_bits,
+                kv_group_size=config.kv_group_size)
 
 
 def deployment(task: str, name: str, cron: Optional[str], params: dict, flow=None, extra: Optional[dict] = None):

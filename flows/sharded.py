@@ -31,12 +31,15 @@ def sharded_batch(
     model: str = DEFAULT_MODEL,
     db: str = DEFAULT_DB,
     options: BatchOptions = BatchOptions(),
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> dict:
     """One batch fanned out over a process work pool (``flows.shards``): a ``<task>-batch/shards`` flow run
     per shard, all writing the lake ``db``. Loads no model itself; fails unless every document ends done."""
     log = get_run_logger()
     options = options or BatchOptions()
-    config = batch_config(task, press, compression_ratio, budget, head_budget, prefill, press_params, model, options)
+    config = batch_config(task, press, compression_ratio, budget, head_budget, prefill, press_params, model, options,
+                          kv_bits, kv_group_size)
     seen: dict[int, tuple] = {}
 
     def on_progress(shard_list) -> None:

@@ -134,9 +134,10 @@ def _attend(queries, keys, values, cache, scale, mask, sinks=None):
     return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=None):
+def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=None, cache=None):
     """Attention where KV head h holds its own rows ``keys[h]`` ``[B, 1, S_h, D]``; the query heads of its GQA
-    group attend to those rows only. ``mask`` is None or ``"causal"`` (aligned to the end of each head's keys)."""
+    group attend to those rows only. ``mask`` is None or ``"causal"`` (aligned to the end of each head's keys).
+    A quantized ``cache`` (``bits``) gives each head's rows as a (packed, scales, biases) triple."""
     H = len(keys)
     Hq = queries.shape[1]
     if Hq % H:
@@ -150,7 +151,7 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
             queries[:, h * g : (h + 1) * g],
             keys[h],
             values[h],
-            cache=None,
+            cache=cache if hasattr(cache, "bits") else None,
             scale=scale,
             mask=mask,
             sinks=None if sinks is None else sinks[h * g : (h + 1) * g],
@@ -162,11 +163,17 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that understands NestedKV's ragged layouts."""
-    if isinstance(keys, list):
-        return per_head_attention(queries, keys, values, scale, mask, sinks)
+    quantized = hasattr(cache, "bits")
+    # Per-head rows come as a list of each head's keys; a quantized cache's keys are one (packed, scales,
+    # biases) group, which mlx-lm's QuantizedKVCache may hand over as a list too.
+    if isinstance(keys, list) and (not quantized or isinstance(keys[0], (list, tuple))):
+        return per_head_attention(queries, keys, values, scale, mask, sinks, cache=cache)
     valid = getattr(cache, "valid", None)
     if valid is not None:
-        mask = head_mask(valid, mask, queries.shape[1], queries.shape[2], keys.shape[2])
+        # mlx-lm's quantized attention broadcasts the mask over each KV head's query group: one mask per KV head
+        heads = valid.shape[1] if quantized else queries.shape[1]
+        n_keys = (keys[0] if quantized else keys).shape[2]
+        mask = head_mask(valid, mask, heads, queries.shape[2], n_keys)
     return _attend(queries, keys, values, cache, scale, mask, sinks)
 
 

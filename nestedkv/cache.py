@@ -23,6 +23,11 @@ exceed the budget is scored and evicted down to it, so it never holds more than 
 (per layer on average under adaptive budgets) and the chunk attends to the kept rows only. ``compress`` then
 brings it to exactly the final budget.
 
+Quantized KV (``press.kv_bits``): once compression has chosen the rows (scored on the real keys), every buffer
+above becomes a ``(packed, scales, biases)`` triple of ``mx.quantize`` with the same row layout, rows appended later
+are quantized as they arrive, and the cache carries ``bits``/``group_size`` so that mlx-lm's attention (and
+``attention.attention``) use ``quantized_scaled_dot_product_attention``, as for its ``QuantizedKVCache``.
+
 Batching: ``stack`` batches compressed caches for decode (configurations of one document, or different
 documents: each entry keeps its own rows and position).
 mlx-lm's ``merge`` into a ``BatchKVCache`` is refused: that would silently drop the compression.
@@ -43,7 +48,7 @@ import nestedkv.attention as _attention
 from nestedkv.accounting import LayerMemory
 from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
-from nestedkv.press import BasePress, NoPress
+from nestedkv.press import KV_GROUP_SIZES, BasePress, NoPress
 from nestedkv.selection import select
 from nestedkv.streaming import StreamState
 
@@ -56,9 +61,45 @@ def _check_context_len(n) -> Optional[int]:
     return n
 
 
-def _grow(buf: Optional[mx.array], rows: int, new: mx.array, step: int) -> mx.array:
+# A K or V buffer is an array, or (quantized) a (packed, scales, biases) tuple whose parts share the rows axis 2.
+def _parts(buf) -> tuple:
+    return buf if isinstance(buf, tuple) else (buf,)
+
+
+def _map(fn, *bufs):
+    """``fn`` applied part by part to equally structured buffers."""
+    if isinstance(bufs[0], tuple):
+        return tuple(fn(*xs) for xs in zip(*bufs))
+    return fn(*bufs)
+
+
+def _cat(bufs, axis: int = 2):
+    return _map(lambda *xs: mx.concatenate(xs, axis=axis), *bufs)
+
+
+def _rows_of(buf, a: int, b: Optional[int] = None):
+    return _map(lambda x: x[..., a:b, :], buf)
+
+
+def _zeros(buf, B: int, H: int, n: int):
+    """``n`` zero rows shaped like ``buf``'s (quantized zeros dequantize to 0: scales and biases are 0)."""
+    return _map(lambda x: mx.zeros((B, H, n, x.shape[3]), x.dtype), buf)
+
+
+def _put(buf, index, new) -> None:
+    for dst, src in zip(_parts(buf), _parts(new)):
+        dst[index] = src
+
+
+def _nbytes(buf) -> int:
+    return 0 if buf is None else sum(x.nbytes for x in _parts(buf))
+
+
+def _grow(buf, rows: int, new, step: int):
     """``buf`` with room for ``new`` after its first ``rows`` rows; KVCache's growth policy (steps of ``step``),
     so that with nothing evicted the arrays (and outputs) are bit-identical to mlx-lm's."""
+    if isinstance(new, tuple):
+        return tuple(_grow(b, rows, x, step) for b, x in zip(buf, new))
     if buf is not None and rows + new.shape[2] <= buf.shape[2]:
         return buf
     B, H, n, d = new.shape
@@ -111,6 +152,8 @@ class NestedKVCache(KVCache):
                 self._saw_prefill = True
         if not self.compressed and self.press.prefill == "streaming":
             self._stream_step(keys)
+        if self.quantized:  # after the compress above: new rows join the kept ones quantized
+            keys, values = self._quantize(keys), self._quantize(values)
         if self.flat_keys is not None:
             out = self._append_per_head(keys, values)
         else:
@@ -118,8 +161,9 @@ class NestedKVCache(KVCache):
             self.keys = _grow(self.keys, prev, keys, self.step)
             self.values = _grow(self.values, prev, values, self.step)
             self.stored += n_new
-            self.keys[..., prev : self.stored, :] = keys
-            self.values[..., prev : self.stored, :] = values
+            rows = (Ellipsis, slice(prev, self.stored), slice(None))
+            _put(self.keys, rows, keys)
+            _put(self.values, rows, values)
             out = self.keys_and_values()
         self.offset += n_new
         self._note_peak()
@@ -131,7 +175,7 @@ class NestedKVCache(KVCache):
         tail = self.stored - self.n_ctx_rows
         out, off = [], 0
         for r, cap in zip(self.head_rows, self.head_cap):
-            out.append(flat[:, :, off : off + r + tail, :])
+            out.append(_rows_of(flat, off, off + r + tail))
             off += cap
         return out
 
@@ -145,39 +189,38 @@ class NestedKVCache(KVCache):
 
     def _set_per_head(self, keys: list, values: list, rows: list[int]) -> None:
         """Per-head layout from each head's rows (context then appended), regions exactly that long."""
-        self.flat_keys = mx.concatenate(keys, axis=2)
-        self.flat_values = mx.concatenate(values, axis=2)
+        self.flat_keys, self.flat_values = _cat(keys), _cat(values)
         self.head_rows = rows
-        self.head_cap = [k.shape[2] for k in keys]
+        self.head_cap = [_parts(k)[0].shape[2] for k in keys]
         self.keys = self.values = self.valid = None
 
     def _append_per_head(self, keys, values):
         tail = self.stored - self.n_ctx_rows
-        B, H, n, _ = keys.shape
+        B, H, n, _ = _parts(keys)[0].shape
         if any(r + tail + n > cap for r, cap in zip(self.head_rows, self.head_cap)):
             # Every region grows by whole steps, as KVCache does (heads share the appended count).
             extra = ((n + self.step - 1) // self.step) * self.step
             ks, vs = self.head_keys, self.head_values
-            zk = mx.zeros((B, 1, extra, keys.shape[3]), keys.dtype)
-            zv = mx.zeros((B, 1, extra, values.shape[3]), values.dtype)
-            self.flat_keys = mx.concatenate([x for k in ks for x in (k, zk)], axis=2)
-            self.flat_values = mx.concatenate([x for v in vs for x in (v, zv)], axis=2)
-            self.head_cap = [k.shape[2] + extra for k in ks]
+            zk, zv = _zeros(keys, B, 1, extra), _zeros(values, B, 1, extra)
+            self.flat_keys = _cat([x for k in ks for x in (k, zk)])
+            self.flat_values = _cat([x for v in vs for x in (v, zv)])
+            self.head_cap = [_parts(k)[0].shape[2] + extra for k in ks]
         idx, off = [], 0
         for r, cap in zip(self.head_rows, self.head_cap):
             idx.extend(range(off + r + tail, off + r + tail + n))
             off += cap
         idx = mx.array(idx, dtype=mx.int32)  # head-major, like the reshape below
-        self.flat_keys[:, :, idx, :] = keys.reshape(B, 1, H * n, keys.shape[3])
-        self.flat_values[:, :, idx, :] = values.reshape(B, 1, H * n, values.shape[3])
+        at = (slice(None), slice(None), idx, slice(None))
+        _put(self.flat_keys, at, _map(lambda x: x.reshape(B, 1, H * n, x.shape[3]), keys))
+        _put(self.flat_values, at, _map(lambda x: x.reshape(B, 1, H * n, x.shape[3]), values))
         self.stored += n
         return self.head_keys, self.head_values
 
     def keys_and_values(self):
         if self.flat_keys is not None:
             return self.head_keys, self.head_values
-        if self.stored < self.keys.shape[2]:
-            return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
+        if self.stored < _parts(self.keys)[0].shape[2]:
+            return _rows_of(self.keys, 0, self.stored), _rows_of(self.values, 0, self.stored)
         return self.keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -212,10 +255,30 @@ class NestedKVCache(KVCache):
     def appended(self) -> int:
         return self.stored - self.n_ctx_rows if self.compressed else 0
 
+    @property
+    def quantized(self) -> bool:
+        # ``bits`` exists only once quantized: mlx-lm's attention dispatches on hasattr(cache, "bits").
+        return "bits" in vars(self)
+
+    def _quantize(self, x: mx.array) -> tuple:
+        _check_divides(self.group_size, x.shape[-1])
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _quantize_rows(self) -> None:
+        """Quantize the rows compression kept, once (they were scored before, on the real keys)."""
+        self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+        if self.flat_keys is not None:
+            self.flat_keys, self.flat_values = self._quantize(self.flat_keys), self._quantize(self.flat_values)
+        else:
+            n = self.stored
+            self.keys = self._quantize(self.keys[..., :n, :])
+            self.values = self._quantize(self.values[..., :n, :])
+        mx.eval(self.keys, self.values, self.flat_keys, self.flat_values)  # so the unquantized buffers are freed
+
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise ValueError(
-            "NestedKVCache cannot be converted to a quantized cache (kv_bits): "
-            "compression and KV quantization are not combined; leave kv_bits unset"
+            "NestedKVCache is not converted by mlx-lm's kv_bits: give the press kv_bits instead "
+            "(e.g. NestedKVPress(compression_ratio=0.75, kv_bits=4)); it quantizes the rows it keeps"
         )
 
     @classmethod
@@ -229,8 +292,8 @@ class NestedKVCache(KVCache):
     @property
     def nbytes(self):
         if self.flat_keys is not None:
-            return self.flat_keys.nbytes + self.flat_values.nbytes
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+            return _nbytes(self.flat_keys) + _nbytes(self.flat_values)
+        return _nbytes(self.keys) + _nbytes(self.values)
 
     # Peak resident K/V bytes, noted after every update, compression and load (the transient second buffer
     # of a reallocation or an eviction lives for one operation and is not counted).
@@ -276,6 +339,13 @@ class NestedKVCache(KVCache):
         self.context_len = None if int(context_len) < 0 else int(context_len)
         self._saw_prefill = bool(saw)
         self.press = BasePress.from_json(press_json)
+        vars(self).pop("bits", None)
+        if self.compressed and self.press.kv_bits is not None:
+            # save_prompt_cache stores tuples as lists; lists of arrays mean per-head rows to the attention
+            self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+            keys, values = _tuple(keys), _tuple(values)
+            self.keys, self.values = keys, values
+            hk, hv = (None, None) if hk is None else ([tuple(h) for h in hk], [tuple(h) for h in hv])
         self.planned_len = None if planned is None or int(planned) < 0 else int(planned)
         self.flat_keys = self.flat_values = self.head_rows = self.head_cap = None
         if hk is not None:
@@ -394,6 +464,8 @@ class NestedKVCache(KVCache):
             self.n_ctx_rows = n
         if self.valid is not None and self.keys.shape[0] == 1:
             self._to_per_head()
+        if self.press.kv_bits is not None:
+            self._quantize_rows()
         self._note_peak()
 
     def _to_per_head(self) -> None:
@@ -420,12 +492,10 @@ class NestedKVCache(KVCache):
         R = self.n_ctx_rows
         ks, vs = [], []
         for k, v, r in zip(self.head_keys, self.head_values, self.head_rows):
-            zk = mx.zeros((1, 1, R - r, k.shape[3]), k.dtype)
-            zv = mx.zeros((1, 1, R - r, v.shape[3]), v.dtype)
-            ks.append(mx.concatenate([k[..., :r, :], zk, k[..., r : r + tail, :]], axis=2))
-            vs.append(mx.concatenate([v[..., :r, :], zv, v[..., r : r + tail, :]], axis=2))
+            ks.append(_cat([_rows_of(k, 0, r), _zeros(k, 1, 1, R - r), _rows_of(k, r, r + tail)]))
+            vs.append(_cat([_rows_of(v, 0, r), _zeros(v, 1, 1, R - r), _rows_of(v, r, r + tail)]))
         valid = mx.arange(R)[None, None, :] < self.kept[..., None]
-        return mx.concatenate(ks, axis=1), mx.concatenate(vs, axis=1), valid
+        return _cat(ks, axis=1), _cat(vs, axis=1), valid
 
     def memory(self, layer: int) -> LayerMemory:
         """Accounting for this layer in its real dtype (see LayerMemory)."""
@@ -433,12 +503,14 @@ class NestedKVCache(KVCache):
             return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
         if self.flat_keys is not None:
             k0, v0 = self.flat_keys, self.flat_values
-            B, H, dk, dv = k0.shape[0], len(self.head_rows), k0.shape[3], v0.shape[3]
+            B, H = _parts(k0)[0].shape[0], len(self.head_rows)
         else:
             k0, v0 = self.keys, self.values
-            B, H, _, dk = k0.shape
-            dv = v0.shape[3]
-        row_bytes = dk * k0.dtype.size + dv * v0.dtype.size
+            B, H = _parts(k0)[0].shape[:2]
+        (dk, dtype), (dv, _) = self._dims(k0), self._dims(v0)
+        # full: the model's dtype uncompressed; kept: rows as stored (quantized: packed values + scales + biases)
+        full_row = (dk + dv) * dtype.size
+        row_bytes = sum(x.shape[3] * x.dtype.size for x in _parts(k0) + _parts(v0))
         tail = self.stored - self.n_ctx_rows if self.kept is not None else 0
         kept = self.kept if self.kept is not None else mx.full((B, H), self.stored, dtype=mx.int32)
         seen = self.context_len + tail if self.compressed else self.offset
@@ -446,15 +518,26 @@ class NestedKVCache(KVCache):
             layer=layer,
             n_kv_heads=H,
             head_dim=dk,
-            dtype=str(k0.dtype).removeprefix("mlx.core."),
+            dtype=str(dtype).removeprefix("mlx.core."),
             tokens_seen=self.context_len if self.compressed else self.offset,
             kept_min=int(mx.min(kept).item()),
             kept_max=int(mx.max(kept).item()),
             kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),
-            bytes_full=B * H * seen * row_bytes,
+            bytes_full=B * H * seen * full_row,
             bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
             bytes_resident=self.nbytes,
         )
+
+
+    def _dims(self, buf):
+        """(head dim, model dtype) of a K or V buffer."""
+        if isinstance(buf, tuple):  # packed uint32 words of 32 / bits values, scales in the model's dtype
+            return buf[0].shape[3] * 32 // self.bits, buf[1].dtype
+        return buf.shape[3], buf.dtype
+
+
+def _tuple(buf):
+    return tuple(buf) if isinstance(buf, list) else buf
 
 
 # load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
@@ -490,6 +573,8 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
             raise ValueError(
                 f"layer {i} uses {type(c).__name__}; NestedKV compresses only full-attention KVCache layers"
             )
+    if press is not None and press.kv_bits is not None:
+        check_group_size(model, press.kv_group_size)
     _route(model, required=press is not None and press.head_budget == "adaptive")
     return _bind([NestedKVCache(press, context_len) for _ in defaults], model, press)
 
@@ -505,6 +590,21 @@ def _bind(cache: list, model, press: Optional[BasePress]) -> list:
         for c in cache:
             c.unrope = unrope
     return cache
+
+
+def check_group_size(model, group_size: int) -> None:
+    """Quantized KV needs the group size to divide the head dimension: say so before any prefill."""
+    args = getattr(model, "args", None)
+    d = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1)))
+    if d:
+        _check_divides(group_size, d)
+
+
+def _check_divides(group_size: int, head_dim: int) -> None:
+    if head_dim % group_size:
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+        raise ValueError(f"kv_group_size={group_size} must divide the model's head dimension {head_dim}; "
+                         f"{'choose ' + ' or '.join(fits) if fits else 'this model cannot be KV-quantized'}")
 
 
 def _check_cache(cache) -> None:
@@ -533,10 +633,9 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
         # New array objects: slice assignment rebinds the Python object in place, so sharing
         # the objects themselves would let the copy write into the original.
         if c.keys is not None:
-            d.keys, d.values = c.keys[..., : c.stored, :], c.values[..., : c.stored, :]
+            d.keys, d.values = _rows_of(c.keys, 0, c.stored), _rows_of(c.values, 0, c.stored)
         if c.flat_keys is not None:
-            n = c.flat_keys.shape[2]
-            d.flat_keys, d.flat_values = c.flat_keys[:, :, :n], c.flat_values[:, :, :n]
+            d.flat_keys, d.flat_values = _rows_of(c.flat_keys, 0), _rows_of(c.flat_values, 0)
         if c.stream is not None:
             d.stream = copy.copy(c.stream)
             d.stream.rows = dict(c.stream.rows)
@@ -562,23 +661,26 @@ def stack(caches: Sequence[list]) -> list:
     for layer in zip(*caches):
         if not all(c.compressed for c in layer):
             raise ValueError("stack needs compressed caches (compress each before decoding them together)")
+        quant = {(c.bits, c.group_size) if c.quantized else None for c in layer}
+        if len(quant) > 1:
+            raise ValueError(f"stack needs caches quantized alike (kv_bits, kv_group_size); got {sorted(map(str, quant))}")
         rows = max(c.n_ctx_rows + c.appended for c in layer)
         ks, vs, valid = [], [], []
         for c in layer:
             k, v, ok = c.padded()
-            B, H, _, _ = k.shape
+            B, H = _parts(k)[0].shape[:2]
             n, a = c.n_ctx_rows, c.appended
             pad = rows - n - a
-            zk = mx.zeros((B, H, pad, k.shape[3]), k.dtype)
-            zv = mx.zeros((B, H, pad, v.shape[3]), v.dtype)
-            ks.append(mx.concatenate([k[..., :n, :], zk, k[..., n : n + a, :]], axis=2))
-            vs.append(mx.concatenate([v[..., :n, :], zv, v[..., n : n + a, :]], axis=2))
+            ks.append(_cat([_rows_of(k, 0, n), _zeros(k, B, H, pad), _rows_of(k, n, n + a)]))
+            vs.append(_cat([_rows_of(v, 0, n), _zeros(v, B, H, pad), _rows_of(v, n, n + a)]))
             ok = ok if ok is not None else mx.ones((B, H, n), dtype=mx.bool_)
             valid.append(mx.concatenate([ok, mx.zeros((B, H, pad), dtype=mx.bool_), mx.ones((B, H, a), dtype=mx.bool_)],
                                         axis=2))
         offsets = [c.offset for c in layer]
         s = NestedKVCache(NoPress())
-        s.keys, s.values = mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+        s.keys, s.values = _cat(ks, axis=0), _cat(vs, axis=0)
+        if quant != {None}:
+            s.bits, s.group_size = next(iter(quant))
         s.kept, s.valid = mx.concatenate([c.kept for c in layer], axis=0), mx.concatenate(valid, axis=0)
         s.offset = offsets[0] if len(set(offsets)) == 1 else mx.array(offsets, dtype=mx.int32)
         s.context_len, s.n_ctx_rows = max(c.context_len for c in layer), rows
@@ -595,14 +697,17 @@ def take(stacked: list, rows: Sequence[int]) -> list:
     for c in stacked:
         if not isinstance(c, NestedKVCache) or c.valid is None or c.keys is None:
             raise TypeError("take needs a cache made by nestedkv.stack")
-    B = stacked[0].keys.shape[0] if stacked else 0
+    B = _parts(stacked[0].keys)[0].shape[0] if stacked else 0
     if not rows or any(not 0 <= r < B for r in rows):
         raise ValueError(f"rows must be positions in the batch of {B}, got {rows}")
     idx = mx.array(rows, dtype=mx.int32)
     out = []
     for c in stacked:
         s = NestedKVCache(NoPress())
-        s.keys, s.values, s.kept, s.valid = c.keys[idx], c.values[idx], c.kept[idx], c.valid[idx]
+        s.keys, s.values = _map(lambda x: x[idx], c.keys), _map(lambda x: x[idx], c.values)
+        s.kept, s.valid = c.kept[idx], c.valid[idx]
+        if c.quantized:
+            s.bits, s.group_size = c.bits, c.group_size
         s.offset = c.offset if isinstance(c.offset, int) else c.offset[idx]
         s.context_len, s.n_ctx_rows, s.stored = c.context_len, c.n_ctx_rows, c.stored
         s._note_peak()

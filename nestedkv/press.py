@@ -22,6 +22,8 @@ from nestedkv.selection import (
 
 
 PREFILL_MODES = ("whole", "streaming")
+KV_BITS = (4, 8)  # quantized KV (mx.quantize, affine): the widths mlx-lm users pass as --kv-bits
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts; 64 is mlx-lm's default
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,10 @@ class BasePress:
     # Score the keys with the model's rotary embedding undone (each key rotated back by its position);
     # the cache keeps the rotated keys. Needs the cache built by make_cache (or clone) with the model.
     unrotate: bool = False
-
-    # Fields added after runs were stored: left out of to_json at their default, so those runs keep their hash.
-    _LATE_FIELDS: ClassVar[dict] = {"unrotate": False}
+    # Quantize the kept rows (and rows appended later) to kv_bits, in groups of kv_group_size along the head
+    # dimension, once compression is done; None: keep the model's dtype. Scoring always sees the real keys.
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
     def __post_init__(self):
         check_ratio(self.compression_ratio)
@@ -60,6 +63,7 @@ class BasePress:
             raise ValueError(f"unrotate must be true or false, got {self.unrotate!r}")
         if self.unrotate and self.prefill != "whole":
             raise ValueError("unrotate is supported with prefill='whole' only (streaming scores chunks as they arrive)")
+        check_kv_bits(self.kv_bits, self.kv_group_size)
 
     def score(self, keys: mx.array) -> mx.array:
         raise NotImplementedError
@@ -82,7 +86,12 @@ class BasePress:
         return select(self.score(keys), keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
 
     def to_json(self) -> str:
-        params = {k: v for k, v in asdict(self).items() if k not in self._LATE_FIELDS or v != self._LATE_FIELDS[k]}
+        params = asdict(self)
+        # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
+        if not self.unrotate:
+            del params["unrotate"]
+        if self.kv_bits is None:
+            del params["kv_bits"], params["kv_group_size"]
         return json.dumps({"press": self.name, **params}, sort_keys=True)
 
     @staticmethod
@@ -94,6 +103,14 @@ class BasePress:
         if "prior" in params:
             params["prior"] = tuple(params["prior"])
         return get_press(name, **params)
+
+
+def check_kv_bits(kv_bits, kv_group_size) -> None:
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None: no quantization), "
+                         f"got {kv_bits!r}")
+    if kv_group_size not in KV_GROUP_SIZES or isinstance(kv_group_size, bool):
+        raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from t
 SUMMARY_REPETITION_PENALTY = 1.1
 
 # The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
-PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params")
+PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "kv_bits",
+                "kv_group_size")
+KV_FIELDS = ("kv_bits", "kv_group_size")
 
 
 class _Settings(BaseModel):
@@ -55,6 +57,10 @@ class PressSettings(_Settings):
                                  "while prefilling (bounded peak)")
     press_params: dict[str, Any] = Field(default_factory=dict,
                                          description="the method's own parameters, e.g. tau=0.5 (NestedKV)")
+    kv_bits: Optional[int] = Field(None, description="quantize the kept KV rows to 4 or 8 bits after compression "
+                                   "(mlx-lm's --kv-bits; 16 or none: the model's dtype)")
+    kv_group_size: int = Field(64, description="values per quantization scale and bias, 32, 64 or 128 (mlx-lm's "
+                               "--kv-group-size)")
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +71,14 @@ class PressSettings(_Settings):
             press = data.get("press", cls.model_fields["press"].default)
             data = {**data, "head_budget": DEFAULT_HEAD_BUDGET.get(press, "uniform")}
         return data
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:
+        from nestedkv.press import check_kv_bits
+
+        check_kv_bits(None, v)  # with or without kv_bits: a typo should not pass silently
+        return v
 
     @field_validator("press")
     @classmethod
@@ -77,6 +91,10 @@ class PressSettings(_Settings):
 
     @model_validator(mode="after")
     def _press_accepts(self):
+        clash = sorted(set(self.press_params) & set(PressSettings.model_fields))
+        if clash:  # e.g. kv_bits as a press parameter would bypass runs.kv_bits and the views
+            raise ValueError(f"press_params {clash}: these are options of their own (--{clash[0].replace('_', '-')}), "
+                             "not press parameters")
         self.make_press()  # the press validates its own parameters (names and ranges)
         return self
 
@@ -87,6 +105,8 @@ class PressSettings(_Settings):
         kw = {"compression_ratio": self.compression_ratio, "budget": self.budget, "head_budget": self.head_budget}
         if self.prefill != "whole":
             kw["prefill"] = self.prefill
+        if self.kv_bits is not None:
+            kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
         try:
             return get_press(self.press, **kw, **_tuples(self.press_params))
         except TypeError as exc:  # an unknown parameter name
@@ -138,32 +158,36 @@ class RunConfig(GenerationSettings, PressSettings):
         return hash(self.config_hash())
 
     def canonical_json(self) -> str:
-        return json.dumps({**self.model_dump(), "press_resolved": self.press_key()}, sort_keys=True,
-                          separators=(",", ":"))
+        # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
+        dump = self.model_dump(exclude=set(KV_FIELDS) if self.kv_bits is None else None)
+        return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     @property
     def is_reference(self) -> bool:
-        return self.press == REFERENCE_PRESS
+        return self.press == REFERENCE_PRESS and self.kv_bits is None
 
     def reference(self) -> "RunConfig":
         """The uncompressed twin of this configuration (what quality is measured against)."""
         return self.model_copy(update={"press": REFERENCE_PRESS, "compression_ratio": 0.0, "budget": None,
-                                       "head_budget": "uniform", "prefill": "whole", "press_params": {}})
+                                       "head_budget": "uniform", "prefill": "whole", "press_params": {},
+                                       "kv_bits": None, "kv_group_size": 64})
 
     def shared(self) -> dict:
         """The fields one prefill depends on (all but the press fields)."""
         return self.model_dump(exclude=set(PRESS_FIELDS))
 
     def label(self) -> str:
-        if self.is_reference:
-            return self.press
         size = f"budget {self.budget}" if self.budget else f"r={self.compression_ratio:g}"
         extra = "".join(f" {k}={v}" for k, v in sorted(self.press_params.items()))
         mode = " streaming" if self.prefill == "streaming" else ""
-        return f"{self.press} {size} {self.head_budget}{mode}{extra}"
+        quant = "" if self.kv_bits is None else f" kv{self.kv_bits}" + (
+            f"/g{self.kv_group_size}" if self.kv_group_size != 64 else "")
+        if self.press == REFERENCE_PRESS:
+            return f"{self.press}{quant}"
+        return f"{self.press} {size} {self.head_budget}{mode}{quant}{extra}"
 
 
 class BatchOptions(GenerationSettings):
@@ -184,6 +208,19 @@ class BatchOptions(GenerationSettings):
 
     def generation(self) -> dict:
         return self.model_dump(include=set(GenerationSettings.model_fields))
+
+
+def parse_kv_bits(text: str) -> Optional[int]:
+    """A ``--kv-bits`` value: 4 or 8, or 16/none for the model's own dtype (one axis of a sweep)."""
+    from nestedkv.press import KV_BITS
+
+    t = text.strip().lower()
+    if t in ("16", "none"):
+        return None
+    if t not in {str(b) for b in KV_BITS}:
+        raise ValueError(f"--kv-bits must be {' or '.join(map(str, KV_BITS))} (16 or none: no quantization), "
+                         f"got {text.strip()!r}")
+    return int(t)
 
 
 def parse_press_param(text: str) -> tuple[str, Any]:

@@ -116,24 +116,26 @@ def check_configs(configs: Iterable[RunConfig]) -> list[RunConfig]:
 
 def make_configs(base: RunConfig, presses: Sequence[str], compression_ratios: Sequence[float] = (),
                  budgets: Sequence[int] = (), head_budgets: Sequence[Optional[str]] = (None,),
-                 prefills: Sequence[str] = ("whole",), press_params: Optional[dict] = None) -> list[RunConfig]:
-    """Every press x size x head budget x prefill mode (sizes: the ``budgets`` when given, else the
-    ratios; head budget None: each press's default); ``no_press`` once. Validation errors name the bad
-    value."""
+                 prefills: Sequence[str] = ("whole",), press_params: Optional[dict] = None,
+                 kv_bits: Sequence[Optional[int]] = (None,), kv_group_sizes: Sequence[int] = (64,)) -> list[RunConfig]:
+    """Every press x size x head budget x prefill mode x KV width (sizes: the ``budgets`` when given, else the
+    ratios; head budget None: each press's default; kv bits None: the model's dtype); ``no_press`` once per
+    KV width. Validation errors name the bad value."""
     sizes = [{"budget": int(b), "compression_ratio": 0.0} for b in budgets] if budgets else [
         {"compression_ratio": float(r), "budget": None} for r in compression_ratios]
     if not sizes and any(p != REFERENCE_PRESS for p in presses):
         raise ValueError("give at least one compression ratio or budget")
     params = press_params or {}
     out = []
+    quant = [{"kv_bits": b, "kv_group_size": g} for b, g in product(kv_bits or (None,), kv_group_sizes or (64,))]
     for press in presses:
         if press == REFERENCE_PRESS:
-            out.append(base.reference())
+            out.extend(RunConfig.model_validate({**base.reference().model_dump(), **q}) for q in quant)
             continue
-        for size, hb, mode in product(sizes, head_budgets, prefills):
+        for size, hb, mode, q in product(sizes, head_budgets, prefills, quant):
             # model_validate, not model_copy: the new press settings must be validated.
             out.append(RunConfig.model_validate({**base.model_dump(), "press": press, "head_budget": hb,
-                                                 "prefill": mode, "press_params": params, **size}))
+                                                 "prefill": mode, "press_params": params, **size, **q}))
     return check_configs(out)
 
 
@@ -485,7 +487,7 @@ class Summary:
         return self.n_results - self.n_failed
 
 
-SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "prefill", "n_documents",
+SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "prefill", "kv_bits", "n_documents",
                    "kept_share", "saved_share", "resident_share", "saved_mib")
 
 
@@ -494,7 +496,7 @@ def savings(store, run_ids: Sequence[str]) -> list[dict]:
         return []
     return store.query(
         f"SELECT {', '.join(SAVINGS_COLUMNS)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
-        "ORDER BY press, compression_ratio, head_budget, budget, prefill", [list(run_ids)]).to_pylist()
+        "ORDER BY press, compression_ratio, head_budget, budget, prefill, kv_bits", [list(run_ids)]).to_pylist()
 
 
 def make_runner(config: RunConfig):

@@ -27,14 +27,14 @@ MARKERS = ("o", "o", "s", "^", "D", "v", "P", "X")
 # Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
 QUALITY_SQL = f"""
 WITH ev AS (
-    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget,
+    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv_bits}} AS kv_bits,
            e.doc_id, e.question_idx, e.metric, e.value
     FROM evaluations e JOIN runs r ON r.run_id = e.run_id
     QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
                                ORDER BY r.created_at DESC, r.run_id DESC) = 1
 )
 SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
-       any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget,
+       any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget, any_value(kv_bits) AS kv_bits,
        count(DISTINCT doc_id) AS n_docs,
        count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
        avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
@@ -94,16 +94,18 @@ def _order(row: dict) -> tuple:
     press = row["press"]
     rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER)
     return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
-            row["budget"] or 0, row["compression_ratio"])
+            -(row.get("kv_bits") or 16), row["budget"] or 0, row["compression_ratio"])
 
 
 def quality_rows(store: Store) -> list[dict]:
     """One numeric row per evaluated configuration, ordered: reference, nestedkv, baselines; ratio up."""
-    rows = store.query(QUALITY_SQL).to_pylist()
+    # Stores written before quantized KV have no runs.kv_bits (a read-only open does not migrate them).
+    kv = "r.kv_bits" if "kv_bits" in store.query("SELECT * FROM runs LIMIT 0").column_names else "NULL"
+    rows = store.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
     if not rows:
         raise StoreError(f"{store.path}: no evaluations stored; run `nkv eval --db {store.path}` first")
     kept = {r["config_hash"]: r for r in store.query(KEPT_SQL).to_pylist()}
-    full_acc = {r["model"]: r["accuracy"] for r in rows if r["press"] == "no_press"}
+    full_acc = {r["model"]: r["accuracy"] for r in rows if r["press"] == "no_press" and not r.get("kv_bits")}
     for r in rows:
         r["kept_share"] = kept.get(r["config_hash"], {}).get("kept_share")
         r["resident_share"] = kept.get(r["config_hash"], {}).get("resident_share")
@@ -122,6 +124,8 @@ def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
     cols = list(COLUMNS)
     if len({r["model"] for r in rows}) > 1:
         cols.insert(0, ("model", "model", "{}"))
+    if any(r.get("kv_bits") for r in rows):
+        cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("kv_bits", "KV bits", "{}"))
     if any(r["budget"] for r in rows):
         cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("budget", "budget", "{}"))
     return cols
@@ -180,7 +184,8 @@ def _num(v) -> float:
 
 
 def _label(row: dict) -> str:
-    return row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})"
+    bits = f" {row['kv_bits']}-bit KV" if row.get("kv_bits") else ""
+    return (row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})") + bits
 
 
 def plot(rows: list[dict], path: Union[str, Path]) -> Path:
@@ -201,15 +206,19 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
         xs = [p["compression_ratio"] for p in pts]
         press = pts[0]["press"]
         rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER) + len(lines)
-        style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{rank - 1}", "label": name,
+        shade = {None: 0, 8: 6, 4: 7}.get(pts[0].get("kv_bits"), 8)  # one color per method and KV width
+        style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{(rank - 1 + shade) % 10}", "label": name,
                  "linestyle": "--" if pts[0]["head_budget"] == "adaptive" else "-",
                  "linewidth": 2.5 if press == "nestedkv" else 1.5}
         ax_acc.plot(xs, [_num(p["accuracy"]) for p in pts], **style)
         ax_nll.plot(xs, [_num(p["delta_nll"]) for p in pts], **style)
-    for r in rows:
+    for r in rows:  # the uncompressed runs are horizontal lines, one style per KV width
         if r["press"] == "no_press" and r["accuracy"] is not None:
-            ax_acc.axhline(r["accuracy"], color="black", linestyle=":", linewidth=1.2,
-                           label=f"no_press ({r['accuracy']:.2f})")
+            bits = r.get("kv_bits")
+            line = {"color": "black", "linestyle": {None: ":", 8: "-."}.get(bits, "--"), "linewidth": 1.2}
+            ax_acc.axhline(r["accuracy"], **line, label=f"{_label(r)} ({r['accuracy']:.2f})")
+            if bits and r["delta_nll"] is not None:
+                ax_nll.axhline(r["delta_nll"], **line, label=f"{_label(r)} ({r['delta_nll']:+.2f})")
     ax_nll.axhline(0.0, color="black", linestyle=":", linewidth=1.2, label="no_press (0)")
     ax_acc.set(title="Answer accuracy (gold contained)", xlabel="compression ratio (fraction removed)",
                ylabel="accuracy", ylim=(-0.02, 1.02))

@@ -267,7 +267,7 @@ class Runner:
                     rewind(e.cache)
                 q.decode_s = time.perf_counter() - t0
             if live:
-                decoded = self._decode_together([e.cache for e in live], first, histories)
+                decoded = self._decode_by_kv_width([e.cache for e in live], first, histories)
                 for e, (ids, seconds) in zip(live, decoded):
                     q = e.result.questions[k]
                     q.output = self.tokenizer.decode(ids).strip()
@@ -299,6 +299,18 @@ class Runner:
         nxt = mx.argmax(logits, axis=-1)
         mx.eval(nxt)
         return [int(t) for t in nxt.tolist()]
+
+    def _decode_by_kv_width(self, caches: list, first: list[int], histories: list[list[int]]) -> list:
+        """``_decode_together`` per KV width (quantized bits and group size): one batch cannot mix them."""
+        groups: dict = {}
+        for i, c in enumerate(caches):
+            groups.setdefault((getattr(c[0], "bits", None), getattr(c[0], "group_size", None)), []).append(i)
+        out = [None] * len(caches)
+        for idx in groups.values():
+            got = self._decode_together([caches[i] for i in idx], [first[i] for i in idx], [histories[i] for i in idx])
+            for i, d in zip(idx, got):
+                out[i] = d
+        return out
 
     def _decode_together(self, caches: list, first: list[int], histories: list[list[int]]) -> list[tuple[list[int], float]]:
         """Greedy decode for a batch whose first tokens are known; per entry (token ids, its share of time).

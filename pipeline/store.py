@@ -51,6 +51,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("max_new_tokens", _I), ("config_json", _S), ("config_hash", _S), ("reference_config_hash", _S),
         ("code_version", _S), ("input", _S), ("status", _S), ("n_documents", _I), ("n_errors", _I),
         ("prefill", _S), ("host", _S), ("pid", _I), ("pid_started_at", _F),  # pid_started_at: epoch seconds
+        ("kv_bits", _I),  # NULL: the model's dtype
     ],
     "documents": [("doc_id", _S), ("content_sha256", _S), ("n_chars", _B), ("n_tokens", _I), ("title", _S)],
     "outputs": [
@@ -77,7 +78,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
 PRIMARY_KEYS = {"runs": "run_id", "documents": "content_sha256, doc_id"}
 
 # The byte sums both savings views report, per run or per run and layer.
-_RUN_KEY = "r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget"
+_RUN_KEY = "r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, r.kv_bits"
 _SAVED_BYTES = """
        sum(m.bytes_full)::BIGINT AS bytes_full,
        sum(m.bytes_kept)::BIGINT AS bytes_kept,
@@ -114,7 +115,7 @@ CREATE OR REPLACE VIEW quality_vs_full AS
 WITH twins AS (
     SELECT r.run_id, f.run_id AS twin_id
     FROM runs r JOIN runs f ON f.config_hash = r.reference_config_hash AND f.press = 'no_press'
-    WHERE r.press <> 'no_press'
+    WHERE r.config_hash <> r.reference_config_hash
 ),
 pairs AS (
     SELECT t.run_id, t.twin_id AS reference_run_id, e.metric, e.value, CAST(NULL AS DOUBLE) AS full_value
@@ -126,17 +127,18 @@ pairs AS (
     JOIN evaluations fe ON fe.run_id = t.twin_id AND fe.reference_run_id IS NULL AND fe.metric = e.metric
         AND fe.doc_id = e.doc_id AND fe.question_idx IS NOT DISTINCT FROM e.question_idx
 )
-SELECT r.run_id, p.reference_run_id, r.press, r.compression_ratio, r.head_budget, r.budget, p.metric,
+SELECT r.run_id, p.reference_run_id, r.press, r.compression_ratio, r.head_budget, r.budget, r.kv_bits, p.metric,
        avg(p.value) AS mean_value,
        avg(p.full_value) AS full_value,
        avg(p.value - p.full_value) AS delta,
        count(*) AS n,
-       ms.kept_share
+       ms.kept_share,
+       ms.resident_share
 FROM pairs p
 JOIN runs r ON r.run_id = p.run_id
 LEFT JOIN memory_savings ms ON ms.run_id = p.run_id
-GROUP BY r.run_id, p.reference_run_id, r.press, r.compression_ratio, r.head_budget, r.budget, p.metric,
-         ms.kept_share
+GROUP BY r.run_id, p.reference_run_id, r.press, r.compression_ratio, r.head_budget, r.budget, r.kv_bits, p.metric,
+         ms.kept_share, ms.resident_share
 """
 
 # Peak KV bytes per document come from outputs (one value per document, repeated on its question rows) or,
@@ -160,7 +162,7 @@ per_doc AS (
            coalesce(nullif(d.decode_peak, 0), nullif(l.decode_peak, 0)) AS decode_peak
     FROM layers l LEFT JOIN docs d USING (run_id, doc_id, content_sha256)
 )
-SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget,
+SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, r.kv_bits,
        count(*) AS n_documents,
        sum(p.bytes_full)::BIGINT AS bytes_full,
        sum(p.prefill_peak)::BIGINT AS peak_prefill_kv_bytes,
@@ -175,7 +177,7 @@ SELECT r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budge
            AS decode_saved_mib
 FROM runs r JOIN per_doc p ON p.run_id = r.run_id
 WHERE p.prefill_peak IS NOT NULL OR p.decode_peak IS NOT NULL
-GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget
+GROUP BY r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, r.kv_bits
 """
 
 VIEWS = {"memory_savings": MEMORY_SAVINGS_SQL, "layer_savings": LAYER_SAVINGS_SQL,
@@ -521,7 +523,7 @@ class Store:
             "max_new_tokens": config.max_new_tokens, "config_json": config.canonical_json(),
             "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
             "code_version": code_version(), "input": str(input), "status": "running",
-            "prefill": getattr(config, "prefill", None),
+            "prefill": getattr(config, "prefill", None), "kv_bits": getattr(config, "kv_bits", None),
             "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
         }
         try:

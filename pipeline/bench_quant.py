@@ -1,0 +1,143 @@
+"""Quantized KV against mlx-lm's own and against the model's dtype: answers and decode speed.
+
+    python -m pipeline.bench_quant [--input data/eval_set.parquet] [--docs 6] [--max-new-tokens 24]
+        [--speed-docs 1] [--decode-tokens 64] [--out FIGURES.json]
+
+1. For the first ``--docs`` documents, every question answered (greedy, one at a time) from ``NoPress(kv_bits=8)``
+   and from mlx-lm's ``KVCache`` prefilled in the same chunks then converted with ``to_quantized`` (its
+   ``QuantizedKVCache``): how many answers are equal, and for the others the first differing token position.
+2. For ``--speed-docs`` documents: compression time (scoring, selection and quantization) and decode tokens/s,
+   NestedKV at r = 0.75 and the uncompressed cache, each at 16 (the model's dtype), 8 and 4 bits, decoding
+   ``--decode-tokens`` greedy tokens after the first question (EOS ignored, so every row decodes as many).
+Accuracy and resident bytes come from ``nkv eval`` with ``--kv-bits`` (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pipeline.config import DEFAULT_MODEL, RunConfig
+
+
+def _tokens(runner, cache, ids: list[int]) -> list[int]:
+    from mlx_lm.generate import generate_step
+    import mlx.core as mx
+
+    out = []
+    for token, _ in generate_step(mx.array(ids, dtype=mx.int32), runner.model, max_tokens=runner.config.max_new_tokens,
+                                  prompt_cache=cache, prefill_step_size=runner.config.prefill_step_size):
+        if int(token) in runner.eos:
+            break
+        out.append(int(token))
+    return out
+
+
+def compare_with_mlx_lm(runner, docs) -> dict:
+    """Our 8-bit r = 0 answers against mlx-lm's QuantizedKVCache, question by question."""
+    from mlx_lm.models.cache import KVCache
+
+    import nestedkv
+    from pipeline.runner import prefill
+    from pipeline.results import DocumentResult
+
+    equal, differ = 0, []
+    for doc in docs:
+        prepared = runner.prepare(doc)
+        res = DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)
+        ours = runner.prefill(prepared, res, press=nestedkv.NoPress(kv_bits=8))
+        nestedkv.compress(ours)
+        ref = [KVCache() for _ in runner.model.layers]
+        prefill(runner.model, ref, prepared.context_ids, runner.config.prefill_step_size)
+        ref = [c.to_quantized(group_size=64, bits=8) for c in ref]
+        n_ctx = ref[0].offset
+        for i, (_, ids, _) in enumerate(prepared.questions):
+            a, b = _tokens(runner, ours, ids), _tokens(runner, ref, ids)
+            for c in ours:
+                c.rewind()
+            for c in ref:
+                c.trim(c.offset - n_ctx)
+            if a == b:
+                equal += 1
+            else:
+                pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                differ.append({"doc_id": doc.doc_id, "question": i, "first_differing_token": pos})
+    return {"answers_compared": equal + len(differ), "answers_equal": equal, "differing": differ}
+
+
+def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
+    """Compress time and decode tokens/s per (ratio, bits), from one uncompressed prefill per document."""
+    import mlx.core as mx
+
+    import nestedkv
+    from pipeline.results import DocumentResult
+
+    rows: dict[tuple, dict] = {}
+    for doc in docs:
+        prepared = runner.prepare(doc)
+        res = DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)
+        full = runner.prefill(prepared, res, press=nestedkv.NoPress())
+        for ratio in (0.75, 0.0):
+            for bits in (None, 8, 4):
+                press = nestedkv.NestedKVPress(compression_ratio=ratio, head_budget="adaptive", kv_bits=bits)
+                cache = nestedkv.clone(full, press)
+                t0 = time.perf_counter()
+                nestedkv.compress(cache)
+                compress_s = time.perf_counter() - t0
+                resident = sum(s.bytes_resident for s in nestedkv.layer_stats(cache))  # as stored: after compression
+                logits = runner.model(mx.array(prepared.questions[0][1], dtype=mx.int32)[None], cache=cache)[:, -1]
+                tok = mx.argmax(logits, axis=-1)
+                mx.eval(tok)
+                t0 = time.perf_counter()
+                for _ in range(n_tokens):
+                    tok = mx.argmax(runner.model(tok[:, None], cache=cache)[:, -1], axis=-1)
+                    mx.eval(tok)
+                decode_s = time.perf_counter() - t0
+                r = rows.setdefault((ratio, bits or 16), {"compression_ratio": ratio, "kv_bits": bits or 16,
+                                                          "compress_s": 0.0, "decode_s": 0.0, "tokens": 0,
+                                                          "resident_bytes": 0})
+                r["compress_s"] += compress_s
+                r["decode_s"] += decode_s
+                r["tokens"] += n_tokens
+                r["resident_bytes"] += resident
+                del cache
+    out = []
+    for r in rows.values():
+        out.append({**r, "compress_s": round(r["compress_s"] / len(docs), 3),
+                    "decode_tok_s": round(r["tokens"] / r["decode_s"], 1), "decode_s": round(r["decode_s"], 2)})
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench_quant", description=__doc__.splitlines()[0])
+    ap.add_argument("--input", default="data/eval_set.parquet")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--docs", type=int, default=6, help="documents for the mlx-lm comparison (0: skip)")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--speed-docs", type=int, default=1, help="documents for the speed figures (0: skip)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None, help="also write the figures as JSON")
+    a = ap.parse_args(argv)
+
+    from pipeline.documents import load_documents
+    from pipeline.engine import make_runner
+
+    runner = make_runner(RunConfig(task="qa", model=a.model, max_new_tokens=a.max_new_tokens))
+    docs, _ = load_documents(a.input)
+    figures = {"input": a.input, "model": a.model, "max_new_tokens": a.max_new_tokens}
+    if a.docs:
+        figures["mlx_lm_8bit"] = compare_with_mlx_lm(runner, docs[: a.docs])
+        print(json.dumps(figures["mlx_lm_8bit"]), flush=True)
+    if a.speed_docs:
+        figures["speed"] = decode_speed(runner, docs[: a.speed_docs], a.decode_tokens)
+        for row in figures["speed"]:
+            print(json.dumps(row), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
