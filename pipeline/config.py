@@ -170,17 +170,26 @@ class BatchOptions(GenerationSettings):
     """Generation settings plus how a batch runs (the flows' ``options`` parameter)."""
 
     retries: int = Field(2, ge=0, le=100, description="task retries for transient errors (device memory, I/O)")
-    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
+    retry_delay_s: float = Field(5.0, ge=0, allow_inf_nan=False, description="seconds between retries")
     batch_decode: bool = Field(False, description="decode the configurations of a document together")
     batch_size: int = Field(1, ge=1, le=4096, description="documents decoded together (each prefilled and "
                             "compressed on its own; same answers, one transaction per document)")
     wait: float = Field(0.0, ge=0, description="seconds to wait for another writer to release the store")
     prefill_cache: Optional[str] = Field(None, description="folder of reusable uncompressed prefills: a re-run "
                                          "with a new budget or method skips the prefill")
-    prefill_cache_gb: float = Field(20.0, gt=0, description="size cap of the prefill cache (least recently used "
+    prefill_cache_gb: float = Field(20.0, gt=0, allow_inf_nan=False, description="size cap of the prefill cache (least recently used "
                                     "entries go first)")
     on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
                                                  "prefill runs out of memory is redone evicting while prefilling")
+
+    @field_validator("prefill_cache")
+    @classmethod
+    def _usable_folder(cls, v: Optional[str]) -> Optional[str]:
+        from pipeline.prefill_cache import check_folder
+
+        if v is not None:
+            check_folder(v)
+        return v
 
     def engine_options(self, **kw):
         """The engine's options for this batch (``kw``: reference, evaluate, metrics)."""

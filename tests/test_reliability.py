@@ -149,6 +149,23 @@ def full_disk(existing: bool):
     return setup
 
 
+def foreign_weights(ctx):
+    """A models folder: weights older than any cache entry, first in line for a least-recently-used sweep."""
+    save_tiny_model_dir(ctx.tmp / "tiny")  # the cache keys entries by the model's files: a real folder
+    folder = ctx.tmp / "models"
+    folder.mkdir()
+    for name in ("model.safetensors", f"{'0' * 64}.safetensors"):
+        (folder / name).write_bytes(os.urandom(20000))
+        os.utime(folder / name, (time.time() - 3600,) * 2)
+        ctx.snapshot(folder / name)
+
+
+def foreign_weights_intact(ctx, res):
+    ctx.unchanged()
+    left = sorted(p.name for p in (ctx.tmp / "models").iterdir() if p.is_file())
+    assert left == [f"{'0' * 64}.safetensors", "model.safetensors"], left  # the entries over the cap went
+
+
 HOLD = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
 
 
@@ -321,6 +338,12 @@ CASES = [
     error("repetition-penalty-0", run_with("--repetition-penalty", "0"), "repetition_penalty"),
     error("qa-instruction-without-slot", run_with("--qa-instruction", "Answer briefly."), "qa_instruction",
           "placeholder"),
+    error("prefill-cache-gb-inf", run_with("--prefill-cache-gb", "inf"), "prefill_cache_gb", "finite"),
+    error("prefill-cache-gb-negative", run_with("--prefill-cache-gb", "-1"), "prefill_cache_gb", "greater than 0"),
+    error("prefill-cache-on-a-file", run_with("--prefill-cache", "{file}"), "prefill_cache", "not a folder",
+          setup=write_file("afile", b"x", as_input=False), check=lambda ctx, res: ctx.unchanged()),
+    error("prefill-cache-unwritable", run_with("--prefill-cache", "{ro}/pc"), "prefill_cache", "cannot write",
+          setup=lambda ctx: ctx.read_only_folder()),
     error("sweep-ratio-list-bad", ["sweep", "--compression-ratio", "0.5,x", "--db", "{db}"], "comma-separated"),
     error("query-format-bogus", ["query", "SELECT 1", "--db", "{db}", "--format", "xml"], "--format",
           setup=a_store),
@@ -368,6 +391,11 @@ CASES = [
     error("db-held-by-another-process", RUN, "another process holds", "DuckDB allows one writer", setup=held()),
     ok("db-held-then-released-with-wait", run_with("--wait", "60"), "held by another writer", setup=held(1.5),
        runs=("completed", "completed")),
+
+    # ---- the prefill cache owns only its own entries
+    ok("prefill-cache-keeps-foreign-files", run_with("--model", "{tmp}/tiny", "--prefill-cache", "{tmp}/models",
+                                                      "--prefill-cache-gb", "1e-9"),
+       setup=foreign_weights, check=foreign_weights_intact),
 
     # ---- nkv query: exactly one read-only statement, nothing outside the store
     query("COPY runs TO 'x.csv'", "COPY", check=no_file("x.csv")),
