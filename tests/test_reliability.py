@@ -76,6 +76,28 @@ def not_utf8_batch(column: str, bad: bytes):
     return setup
 
 
+STRING_LAYOUTS = {  # the Arrow layouts a Parquet text column comes back in
+    "large_string": lambda a: a.cast(pa.large_string()),
+    "string_view": lambda a: a.cast(pa.string_view()),
+    "dictionary": lambda a: pa.DictionaryArray.from_arrays(pa.array(range(len(a)), pa.int32()), a),
+    "chunked": lambda a: pa.chunked_array([STRING_LAYOUTS["dictionary"](a[:2]), STRING_LAYOUTS["dictionary"](a[2:])]),
+}
+
+
+def not_utf8_layout(layout: str):
+    """Three documents, the third's text not UTF-8, the text column in ``layout`` (chunked: dictionary
+    chunks, one row group per row)."""
+    def setup(ctx):
+        rows = docs(3)
+        values = [d["text"].encode() for d in rows]
+        values[2] = b"\xff\xfe and text"
+        table = pq.read_table(write_batch(ctx.tmp / "ok.parquet", rows))
+        column = STRING_LAYOUTS[layout](raw_strings(values))
+        table = table.set_column(table.schema.get_field_index("text"), "text", column)
+        pq.write_table(table, ctx.tmp / "batch.parquet", row_group_size=1 if layout == "chunked" else None)
+    return setup
+
+
 def batch(*extra: dict, good: int = 2):
     def setup(ctx):
         write_batch(ctx.tmp / "batch.parquet", docs(good) + list(extra))
@@ -287,6 +309,9 @@ CASES = [
        bad_rows=1, bad_field="title"),
     ok("utf8-question", run_with("--task", "qa"), "not valid UTF-8", setup=not_utf8_batch("questions", b"\xfe"),
        bad_rows=1, bad_field="questions.0"),
+
+    *(ok(f"utf8-text-{layout}", RUN, "skipped row 2 (doc-2) in {input}: text: not valid UTF-8",
+         setup=not_utf8_layout(layout), bad_rows=1, bad_field="text") for layout in STRING_LAYOUTS),
 
     # No valid document, so no run (input_errors rows belong to a run): the bad rows are on stderr only.
     ok("all-rows-bad", RUN, "skipped row 0 (x)", "skipped row 1 (y)", "0 done", "2 bad rows",
