@@ -227,6 +227,13 @@ def print_summary(summary, db: str) -> None:
         print_table(pa.Table.from_pylist(summary.savings), title="memory savings")
 
 
+def exit_unless_done(summary) -> None:
+    """Exit 1 with one line unless every valid document is done, now or before (README: exit codes)."""
+    if not summary.all_done:
+        say(("error:", "red"), " ", summary.problem())
+        raise typer.Exit(1)
+
+
 @app.command()
 @press_options()
 @generation_options()
@@ -256,6 +263,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
             summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                    reference=False, evaluate=False, options=options, hooks=hooks)
     print_summary(summary, db)
+    exit_unless_done(summary)
 
 
 def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_size: Optional[int]) -> None:
@@ -326,6 +334,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
         summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                evaluate=evaluate, options=options, hooks=hooks)
     print_summary(summary, db)
+    exit_unless_done(summary)
 
 
 @app.command()
@@ -455,6 +464,7 @@ def eval_(
         summary = run_engine(input, configs, db, engine_options, hooks=hooks, wait_s=options.wait)
     print_summary(summary, db)
     say(f"{summary.wall_s:.0f} s; `nkv report --db {db}` for the table and plot")
+    exit_unless_done(summary)
 
 
 @app.command()

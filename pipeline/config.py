@@ -77,6 +77,13 @@ class PressSettings(_Settings):
 
     @model_validator(mode="after")
     def _press_accepts(self):
+        own = sorted(set(self.press_params) & (set(PRESS_FIELDS) - {"press", "press_params"}))
+        if own:  # passed on, the press would run one way while the stored run says another
+            raise ValueError(f"{', '.join(own)} is an option of its own (--{own[0].replace('_', '-')}), "
+                             "not a press parameter")
+        if self.press == REFERENCE_PRESS and self.press_params:
+            raise ValueError(f"no_press compresses nothing and takes no press parameters, got "
+                             f"{', '.join(sorted(self.press_params))}")
         self.make_press()  # the press validates its own parameters (names and ranges)
         return self
 

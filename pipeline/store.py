@@ -208,6 +208,11 @@ class StoreError(RuntimeError):
     """A store problem a user can act on; the message is one line naming the file."""
 
 
+class StoreWriteError(StoreError):
+    """A write failed (disk full, a table that no longer takes our rows): a batch stops at once, since the
+    next document's write would fail the same way; what was committed before stays."""
+
+
 class StoreLockedError(StoreError):
     """Another process holds the store (still, after ``wait_s``)."""
 
@@ -504,10 +509,10 @@ class Store:
         if self.read_only:
             raise StoreError(f"{self.path}: store is open read-only; writes are refused")
 
-    def _store_error(self, e: BaseException) -> StoreError:
+    def _store_error(self, e: BaseException) -> StoreWriteError:
         """One line naming the file for a failed write (disk full, a value its column cannot hold, ...)."""
         msg = _one_line(e)
-        return StoreError(msg if msg.startswith(f"{self.path}:") else f"{self.path}: write failed: {msg}")
+        return StoreWriteError(msg if msg.startswith(f"{self.path}:") else f"{self.path}: write failed: {msg}")
 
     # -- runs -------------------------------------------------------------------------------------
     def start_run(self, config: RunConfig, input: str) -> str:

@@ -188,6 +188,40 @@ def foreign_weights_intact(ctx, res):
     assert left == [f"{'0' * 64}.safetensors", "model.safetensors"], left  # the entries over the cap went
 
 
+def disk_fills_after(n_writes: int):
+    """Three documents; after ``n_writes`` document writes no store file may grow (RLIMIT_FSIZE at their
+    size: writes fail as on a disk that just filled up)."""
+    def setup(ctx):
+        write_batch(ctx.tmp / "batch.parquet", docs(3))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        ctx.cleanup.append(lambda: (resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)),
+                                    signal.signal(signal.SIGXFSZ, handler)))
+        real, calls = Store.write_results, [0]
+
+        def write_results(self, items):
+            if calls[0] == n_writes:
+                wal = ctx.db.with_name(ctx.db.name + ".wal")  # the next commit appends to it
+                resource.setrlimit(resource.RLIMIT_FSIZE, (wal.stat().st_size if wal.exists() else 0, hard))
+            calls[0] += 1
+            return real(self, items)
+
+        ctx.monkeypatch.setattr(Store, "write_results", write_results)
+    return setup
+
+
+def every_write_fails(ctx):
+    """A store whose outputs table was altered so that no document's rows fit it any more."""
+    a_store(ctx)
+    con = duckdb.connect(str(ctx.db))
+    con.execute("ALTER TABLE outputs ALTER COLUMN doc_id SET DATA TYPE INTEGER")
+    con.close()
+
+
+def stored_doc_ids(ctx) -> set[str]:
+    return {r["doc_id"] for r in rows(ctx.db, "SELECT DISTINCT doc_id FROM outputs")}
+
+
 HOLD = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
 
 
@@ -215,13 +249,13 @@ def held(release_after: Optional[float] = None, make_store: bool = True):
 class Case:
     id: str
     args: list[str]
-    code: int = 2
-    words: tuple[str, ...] = ()  # in the one error line (or, when code is 0, somewhere in stderr)
+    code: int = 2  # 2: refused before any work; 1: the batch ran but did not do everything; 0: it did
+    words: tuple[str, ...] = ()  # in the one error line (or, when code is 0 or 1, somewhere in stderr)
     setup: Optional[Callable] = None
-    runs: tuple[str, ...] = ("completed",)  # run statuses afterwards (when code is 0)
+    runs: tuple[str, ...] = ("completed",)  # run statuses afterwards (when code is 0 or 1)
     bad_rows: int = 0  # input_errors rows of the run
     bad_field: Optional[str] = None
-    done: tuple[str, ...] = GOOD  # doc_ids with every output ok (when code is 0)
+    done: tuple[str, ...] = GOOD  # doc_ids with every output ok (when code is 0 or 1)
     check: Optional[Callable] = None  # (ctx, result) -> None: what else must hold
     xfail: Optional[str] = None
 
@@ -232,6 +266,11 @@ def error(id, args, *words, **kw) -> Case:
 
 def ok(id, args=RUN, *words, **kw) -> Case:
     return Case(id, args, 0, words, **kw)
+
+
+def not_done(id, args, *words, **kw) -> Case:
+    """The batch ran but not every document was done: exit 1, the last line says why."""
+    return Case(id, args, 1, words, **kw)
 
 
 def no_file(name: str) -> Callable:
@@ -314,10 +353,11 @@ CASES = [
          setup=not_utf8_layout(layout), bad_rows=1, bad_field="text") for layout in STRING_LAYOUTS),
 
     # No valid document, so no run (input_errors rows belong to a run): the bad rows are on stderr only.
-    ok("all-rows-bad", RUN, "skipped row 0 (x)", "skipped row 1 (y)", "0 done", "2 bad rows",
-       setup=batch({"doc_id": "x", "text": None}, {"doc_id": "y", "text": ""}, good=0), runs=("completed",),
-       bad_rows=2, done=()),
-    ok("no-rows", RUN, "0 done", setup=batch(good=0), runs=(), done=()),
+    # Nothing done is not a success: exit 1 (the bad rows are still recorded).
+    not_done("all-rows-bad", RUN, "skipped row 0 (x)", "skipped row 1 (y)", "0 done", "2 bad rows",
+             "no valid document", setup=batch({"doc_id": "x", "text": None}, {"doc_id": "y", "text": ""}, good=0),
+             runs=("completed",), bad_rows=2, done=()),
+    not_done("no-rows", RUN, "0 done", "no valid document", setup=batch(good=0), runs=(), done=()),
     ok("sweep-with-a-bad-row", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}",
                                 "--max-new-tokens", "2", "--press", "knorm", "--compression-ratio", "0.5,0.9"],
        "skipped row 2", setup=batch({"doc_id": "doc-x", "text": None}), runs=("completed",) * 3, bad_rows=1),
@@ -363,6 +403,18 @@ CASES = [
     error("repetition-penalty-0", run_with("--repetition-penalty", "0"), "repetition_penalty"),
     error("qa-instruction-without-slot", run_with("--qa-instruction", "Answer briefly."), "qa_instruction",
           "placeholder"),
+    error("press-param-window-past-int32", run_with("--press-param", "window=3000000000"), "window", "2147483647"),
+    error("press-param-block-past-int32", run_with("--press-param", "block=3000000000"), "block", "2147483647"),
+    error("press-param-tau-nan", run_with("--press-param", "tau=NaN"), "tau", "finite number, got nan"),
+    error("press-param-beta-infinity", run_with("--press-param", "beta=Infinity"), "beta", "finite number, got inf"),
+    error("press-param-prior-nan", run_with("--press-param", "prior=[0.4,NaN,0.2]"), "prior"),
+    error("press-param-seed-negative", run_with("--press", "random", "--press-param", "seed=-1"), "seed", "got -1"),
+    error("press-param-seed-not-an-int", run_with("--press", "random", "--press-param", "seed=abc"), "seed", "'abc'"),
+    error("press-param-prefill", run_with("--press-param", "prefill=streaming"), "prefill", "option of its own"),
+    error("press-param-compression-ratio", run_with("--press-param", "compression_ratio=0.5"), "compression_ratio",
+          "option of its own"),
+    error("no_press-with-press-params", run_with("--press", "no_press", "--press-param", "n_sink=2"), "no_press",
+          "takes no press parameters"),
     error("prefill-cache-gb-inf", run_with("--prefill-cache-gb", "inf"), "prefill_cache_gb", "finite"),
     error("prefill-cache-gb-negative", run_with("--prefill-cache-gb", "-1"), "prefill_cache_gb", "greater than 0"),
     error("prefill-cache-on-a-file", run_with("--prefill-cache", "{file}"), "prefill_cache", "not a folder",
@@ -413,6 +465,13 @@ CASES = [
                                "INSERT INTO schema_version VALUES (99)")),
     error("disk-full-new-store", RUN, "cannot open database", "File too large", setup=full_disk(False)),
     error("disk-full-existing-store", RUN, "write failed", "File too large", setup=full_disk(True)),
+    # A write that fails mid-batch stops it: one line, exit 1, what was stored before is kept, the run is
+    # not completed (a disk that filled up refuses closing the run too: the next writer marks it interrupted).
+    not_done("disk-full-mid-batch", RUN, "write failed", "File too large", "1 of 3 documents stored (kept), 2 not",
+             setup=disk_fills_after(1), runs=("running",), done=("doc-0",),
+             check=lambda ctx, res: stored_doc_ids(ctx) == {"doc-0"}),
+    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=every_write_fails,
+             runs=("completed", "failed"), done=(), check=lambda ctx, res: stored_doc_ids(ctx) == set()),
     error("db-held-by-another-process", RUN, "another process holds", "DuckDB allows one writer", setup=held()),
     ok("db-held-then-released-with-wait", run_with("--wait", "60"), "held by another writer", setup=held(1.5),
        runs=("completed", "completed")),
@@ -622,7 +681,7 @@ def one_error_line(res, words) -> str:
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=True)]
                                                if c.xfail else []) for c in CASES])
 def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
-    if case.code == 0 and case.args[0] in ("run", "sweep"):
+    if case.code in (0, 1) and case.args[0] in ("run", "sweep"):
         request.getfixturevalue("prefect_api")
     ctx = Ctx(tmp_path, monkeypatch)
     try:
@@ -636,7 +695,13 @@ def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
         assert res.exit_code == case.code, res.output
         assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
         assert "Traceback" not in res.output and "\x1b" not in res.output, res.output
-        if case.code:
+        if case.code == 1:
+            lines = [line for line in res.stderr.splitlines() if line.strip()]
+            assert lines[-1].startswith("error: ") and sum(x.startswith("error:") for x in lines) == 1, res.stderr
+            for w in case.words:
+                assert ctx.fill([w])[0] in res.stderr, res.stderr
+            check_store(case, ctx)
+        elif case.code:
             one_error_line(res, [ctx.fill([w])[0] for w in case.words])
             assert not started, "a flow started before the error"
             if not created_before:
