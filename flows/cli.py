@@ -17,6 +17,7 @@ from rich.text import Text
 
 import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
 from flows.options import generation_options, press_options
+from flows.output import CONTROL_ESCAPES, plain
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
@@ -27,13 +28,6 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="smollm2-135m, an mlx-lm 
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file, or a lake: ducklake:sqlite:PATH, ducklake:postgres:CONNINFO")
 DataPathOpt = typer.Option(None, "--data-path", help="folder (shared by every worker) for a new lake's Parquet files")
 
-
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-
-
-def plain(text) -> str:
-    """User text made safe for a terminal: control characters (escape sequences, newlines) shown escaped."""
-    return str(text).translate(_CONTROL)
 
 
 def say(*parts, style: Optional[str] = None) -> None:
@@ -55,7 +49,7 @@ def markup_safe(text) -> str:
     return escape(plain(text))
 
 
-_LOG_CONTROL = {c: e for c, e in _CONTROL.items() if chr(c) not in "\n\t"}  # log lines may span lines
+_LOG_CONTROL = {c: e for c, e in CONTROL_ESCAPES.items() if chr(c) not in "\n\t"}  # log lines may span lines
 
 
 class _PrintableLog(logging.Filter):
@@ -119,24 +113,27 @@ def progress_bars() -> Progress:
 
 def print_table(table, fmt: str = "table", title: Optional[str] = None) -> None:
     """Print a pyarrow Table as a terminal table, CSV or JSON (stdout)."""
-    rows = table.to_pylist()
-    if fmt == "json":
-        sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
-        return
-    if fmt == "csv":
-        import pyarrow.csv as pacsv
+    print_result(table.schema, table.to_batches(), fmt, title)
 
-        pacsv.write_csv(table, sys.stdout.buffer)
-        return
+
+def print_result(schema, batches, fmt: str = "table", title: Optional[str] = None) -> bool:
+    """Record batches as a terminal table, CSV or JSON (stdout), written as they come; a table shows at most
+    ``output.TABLE_ROWS`` rows. True when rows were left out (the caller may stop the query)."""
+    from flows import output
+
+    if fmt in ("csv", "json"):
+        output.write_result(fmt, schema, batches, sys.stdout)
+        return False
+    cells, more = output.table_rows(batches)
     out = Table(title=title, show_lines=False)
-    cells = [["" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
-    for i, name in enumerate(table.column_names):
+    for i, name in enumerate(schema.names):
         # Short columns (ids, numbers) never wrap; long text folds.
         widest = max([len(name)] + [len(c[i]) for c in cells])
         out.add_column(Text(plain(name)), overflow="fold", min_width=min(widest, 28))
     for c in cells:
-        out.add_row(*(Text(plain(v)) for v in c))
+        out.add_row(*(Text(v) for v in c))
     out_console.print(out)
+    return more
 
 
 InputOpt = typer.Option(DEFAULT_INPUT, "--input", help="Parquet file, glob or folder")
@@ -422,19 +419,115 @@ def check_before_flow(input: str, model: str, db: str, wait: float = 0.0, data_p
             pass
 
 
+QUERY_TIMEOUT_S = 60.0  # interactive: a query that runs longer is most likely a mistake (--timeout 0: none)
+
+
+class QueryStopped(Exception):
+    """The query was stopped (timeout); the message says why."""
+
+
+def run_query(store, sql: str, fmt: str, timeout: float) -> None:
+    """Run the query on a worker thread and write its batches here as they come: this thread stays free
+    for Ctrl-C, and Ctrl-C or ``timeout`` (seconds spent waiting on the database) interrupt the query
+    (``con.interrupt``). A table shows the first rows only, and then the query is stopped as well."""
+    import queue
+    import threading
+    import time
+
+    from flows.output import TABLE_ROWS
+
+    q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: the query never runs far ahead of the writer
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            schema, batches = store.stream(sql)
+            put(("schema", schema))
+            for batch in batches:
+                if stop.is_set():
+                    return
+                put(("batch", batch))
+            put(("end", None))
+        except BaseException as exc:  # handed to the main thread, which reports it
+            put(("error", exc))
+
+    waited = [0.0]
+
+    def take():
+        while True:
+            t0 = time.monotonic()
+            try:
+                kind, value = q.get(timeout=0.1)
+            except queue.Empty:
+                kind = None
+            waited[0] += time.monotonic() - t0
+            if kind == "error":
+                raise value
+            if kind is not None:
+                return kind, value
+            if timeout and waited[0] > timeout:
+                raise QueryStopped(f"query stopped after {timeout:g} s (--timeout SECONDS, 0 for no limit)")
+
+    def batches():
+        while True:
+            kind, value = take()
+            if kind == "end":
+                return
+            yield value
+
+    worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
+    worker.start()
+
+    def halt() -> None:
+        stop.set()
+        if worker.is_alive():
+            store.interrupt()
+        worker.join(10)
+
+    try:
+        _, schema = take()
+        if print_result(schema, batches(), fmt):
+            say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
+    except KeyboardInterrupt:
+        halt()
+        fail("query interrupted (Ctrl-C)", 130)
+    except QueryStopped as exc:
+        halt()
+        fail(str(exc), 1)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly
+        halt()
+        raise typer.Exit(0)
+    finally:
+        halt()
+
+
 @app.command()
 def query(
     sql: str = typer.Argument(..., help="SQL to run read-only"),
     db: str = DbOpt,
     format: str = typer.Option("table", "--format", help="table, csv or json"),
+    timeout: float = typer.Option(QUERY_TIMEOUT_S, "--timeout", help="seconds the query may wait on the database "
+                                  "before it is stopped (0: no limit); Ctrl-C stops it at once"),
 ):
-    """Run a read-only SQL query against the store."""
+    """Run a read-only SQL query against the store (results are written as they are read)."""
+    import math
+
     from pipeline.store import Store
 
     if format not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {format!r}")
+    if not (math.isfinite(timeout) and timeout >= 0):
+        fail(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
     with user_errors(), Store(db, read_only=True) as store:
-        print_table(store.query(sql), format)
+        run_query(store, sql, format, timeout)
 
 
 @app.command("eval")

@@ -21,7 +21,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import duckdb
 import pyarrow as pa
@@ -769,7 +769,40 @@ class Store:
             with self._lock:
                 return self._read(run)
         except duckdb.Error as e:
-            msg = _one_line(e)
-            if self.read_only and "read-only" in msg:
-                raise StoreError(f"{self.path}: store is open read-only; this statement writes ({msg})") from None
-            raise StoreError(f"{self.path}: query failed: {msg}") from None
+            raise self._query_error(e) from None
+
+    def stream(self, sql: str, rows_per_batch: int = 2048) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """``query`` as record batches, fetched as they are read, so a large result is never held whole.
+        ``interrupt`` (from another thread) stops it; errors while reading are ``StoreError`` too."""
+        if self.read_only:
+            self._check_read_only_sql(sql)
+
+        def start():
+            res = self.con.execute(sql)
+            return res.to_arrow_reader(rows_per_batch) if hasattr(res, "to_arrow_reader") \
+                else res.fetch_record_batch(rows_per_batch)
+
+        try:
+            with self._lock:
+                reader = self._read(start)
+        except duckdb.Error as e:
+            raise self._query_error(e) from None
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            try:
+                with self._lock:
+                    yield from reader
+            except (duckdb.Error, pa.ArrowException) as e:
+                raise self._query_error(e) from None
+
+        return reader.schema, batches()
+
+    def interrupt(self) -> None:
+        """Stop the statement running on this store's connection (safe from any thread)."""
+        self.con.interrupt()
+
+    def _query_error(self, e: BaseException) -> StoreError:
+        msg = _one_line(e)
+        if self.read_only and "read-only" in msg:
+            return StoreError(f"{self.path}: store is open read-only; this statement writes ({msg})")
+        return StoreError(f"{self.path}: query failed: {msg}")

@@ -10,6 +10,7 @@ real command in a subprocess (tests/slow_cli.py) on a tiny model directory.
 import nestedkv  # noqa: F401  (loads OpenBLAS before mlx)
 
 import hashlib
+import json
 import logging
 import os
 import resource
@@ -291,6 +292,40 @@ def query(sql: str, *words: str, check=None, setup=a_store) -> Case:
     return error(f"query-{sql[:40]}", ["query", sql, "--db", "{db}"], *words, setup=setup, check=check)
 
 
+EVERY_TYPE = ("SELECT 1 AS a, 2 AS a, [1, 2] AS l, {'x': 1} AS s, MAP {1: 2} AS m, INTERVAL 1 MONTH AS i, "
+              "1.5 AS d, 'infinity'::DATE AS inf_date, '294247-01-01'::DATE AS far, 'infinity'::TIMESTAMP AS inf_ts, "
+              "'2020-01-01 10:00'::TIMESTAMPTZ AS tz, TIMETZ '1:02:03+05' AS ttz, 1::HUGEINT AS h, "
+              "'a'::ENUM('a', 'b') AS e, union_value(k := 1) AS u, '0101'::BIT AS b, '\\xAA\\x00'::BLOB AS bl, "
+              "'nan'::DOUBLE AS n, 'inf'::DOUBLE AS inf, 12345678901234567890123::VARINT AS big, "
+              "gen_random_uuid() AS id, NULL AS nothing, [NULL, 'a' || chr(7)] AS nul_list")
+
+
+def strict_json(text: str):
+    """JSON as RFC 8259 has it: Python's parser would take NaN and Infinity, which are not JSON."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def parses_as(fmt: str):
+    """The output is valid for its format's parser and holds one row of every column (names included)."""
+    def check(ctx, res):
+        names = ["a", "a", "l", "s", "m", "i", "d", "inf_date", "far", "inf_ts", "tz", "ttz", "h", "e", "u", "b",
+                 "bl", "n", "inf", "big", "id", "nothing", "nul_list"]
+        if fmt == "csv":
+            import csv
+            import io
+
+            got = list(csv.reader(io.StringIO(res.stdout)))
+            assert got[0] == names and len(got) == 2 and len(got[1]) == len(names), got
+        elif fmt == "json":
+            got = strict_json(res.stdout)
+            assert len(got) == 1 and len(got[0]) == len(names) and got[0]["n"] == "NaN", got
+        else:  # a table as wide as this one is cut at the terminal's width: its first columns are checked
+            assert "│ 1 │ 2 │ [1, 2] │" in res.stdout and "<value out of range:" in res.stdout, res.stdout
+    return check
+
+
 CASES = [
     # ---- the input as a whole: one line, exit 2, nothing created
     error("input-missing", RUN, "no such file",
@@ -519,6 +554,27 @@ CASES = [
     ok("query-describe", ["query", "DESCRIBE runs", "--db", "{db}", "--format", "json"], setup=a_store, done=(),
        check=lambda ctx, res: _stdout(res, '"column_name": "run_id"')),
 
+    # ---- nkv query: every type in every format, duplicate names kept, nothing raw reaches the terminal
+    *(ok(f"query-every-type-{fmt}", ["query", EVERY_TYPE, "--db", "{db}", "--format", fmt], setup=a_store, done=(),
+         check=parses_as(fmt)) for fmt in ("table", "csv", "json")),
+    ok("query-duplicate-names-table", ["query", "SELECT 1 AS a, 2 AS a", "--db", "{db}"], setup=a_store, done=(),
+       check=lambda ctx, res: _stdout(res, "│ 1 │ 2 │")),
+    ok("query-duplicate-names-csv", ["query", "SELECT 1 AS a, 2 AS a", "--db", "{db}", "--format", "csv"],
+       setup=a_store, done=(), check=lambda ctx, res: _stdout(res, '"a","a"\n1,2\n')),
+    ok("query-duplicate-names-json", ["query", "SELECT 1 AS a, 2 AS a, 3 AS a_2", "--db", "{db}", "--format", "json"],
+       setup=a_store, done=(), check=lambda ctx, res: strict_json(res.stdout) == [{"a": 1, "a_3": 2, "a_2": 3}]),
+    ok("query-control-characters-csv", ["query", "SELECT chr(27) || '[2J' || chr(10) || 'x' AS t", "--db", "{db}",
+                                        "--format", "csv"], setup=a_store, done=(),
+       check=lambda ctx, res: _stdout(res, '"t"\n"\\x1b[2J\\x0ax"\n')),
+    ok("query-table-shows-the-first-rows", ["query", "SELECT * FROM range(50)", "--db", "{db}"], "first 20 rows",
+       setup=lambda ctx: (a_store(ctx), ctx.monkeypatch.setattr("flows.output.TABLE_ROWS", 20)), done=(),
+       check=lambda ctx, res: "│ 19 " in res.stdout and "│ 20 " not in res.stdout),
+    not_done("query-timeout", ["query", "SELECT count(*) FROM range(10000000000000)", "--db", "{db}", "--timeout",
+                               "0.5"], "query stopped after 0.5 s", setup=a_store),
+    error("query-timeout-negative", ["query", "SELECT 1", "--db", "{db}", "--timeout", "-1"], "--timeout",
+          setup=a_store),
+    error("query-timeout-nan", ["query", "SELECT 1", "--db", "{db}", "--timeout", "nan"], "--timeout", setup=a_store),
+
     # ---- user text is literal: Rich markup and terminal escapes from input
     error("markup-in-missing-input", run_with("--input", "{tmp}/a[/red]b.parquet"), "[/red]"),
     error("markup-in-bad-input-path", run_with("--input", "{tmp}/we[/]ird/n.txt"), "we[/]ird",
@@ -700,7 +756,8 @@ def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
             assert lines[-1].startswith("error: ") and sum(x.startswith("error:") for x in lines) == 1, res.stderr
             for w in case.words:
                 assert ctx.fill([w])[0] in res.stderr, res.stderr
-            check_store(case, ctx)
+            if case.args[0] != "query":
+                check_store(case, ctx)
         elif case.code:
             one_error_line(res, [ctx.fill([w])[0] for w in case.words])
             assert not started, "a flow started before the error"
@@ -740,7 +797,7 @@ def test_matrix_covers_the_issue():
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
-SIGNAL_ROWS = 6  # the cases below (signals, crash, --verbose, --wait expiring)
+SIGNAL_ROWS = 8  # the cases below (signals, crash, --verbose, --wait expiring, Ctrl-C and streaming in nkv query)
 
 
 @pytest.fixture(scope="module")
@@ -925,3 +982,46 @@ def test_wait_that_expires_is_one_error_after_the_progress_lines(tmp_path, monke
     assert waits and all("held by another writer; waited" in w for w in waits), res.stderr
     assert last.startswith("error: ") and "another process holds" in last and "after waiting 1s" in last
     ctx.unchanged()
+
+
+def test_ctrl_c_interrupts_a_running_query(tmp_path):
+    """Ctrl-C while DuckDB computes: the query stops at once (con.interrupt), one line, exit 130."""
+    import _thread
+
+    import pipeline.store as store_mod
+
+    db = tmp_path / "runs.duckdb"
+    Store(db).close()
+    real, started = store_mod.Store.stream, threading.Event()
+
+    def stream(self, sql, *a, **kw):
+        started.set()
+        return real(self, sql, *a, **kw)
+
+    def ctrl_c():
+        started.wait(30)
+        time.sleep(0.3)  # into the count, which alone would run for hours
+        _thread.interrupt_main()  # what SIGINT does to the main thread
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store_mod.Store, "stream", stream)
+        threading.Thread(target=ctrl_c, daemon=True).start()
+        t0 = time.monotonic()
+        res = invoke(["query", "SELECT count(*) FROM range(10000000000000)", "--db", str(db), "--timeout", "0"])
+    assert res.exit_code == 130, res.output
+    assert time.monotonic() - t0 < 20  # not the hours the count would take
+    one_error_line(res, ["interrupted"])
+
+
+def test_query_results_reach_the_writer_in_batches(tmp_path, monkeypatch):
+    """A large result is written as it is read, never held whole: the JSON writer gets bounded batches."""
+    import flows.output as output
+
+    db = tmp_path / "runs.duckdb"
+    Store(db).close()
+    sizes, real = [], output.JsonWriter.write
+    monkeypatch.setattr(output.JsonWriter, "write", lambda self, b: (sizes.append(b.num_rows), real(self, b))[1])
+    res = invoke(["query", "SELECT range AS i FROM range(20000)", "--db", str(db), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert sum(sizes) == 20000 and len(sizes) > 1 and max(sizes) <= 4096, sizes
+    assert [r["i"] for r in strict_json(res.stdout)] == list(range(20000))
