@@ -245,11 +245,12 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     values: every combination, one run each)."""
     if pool or shards is not None or shard_size is not None:
         return run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation)
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.batch import FLOWS, budget_sweep
     from flows.deploy import config_settings
     from flows.local_server import local_api
 
-    configs, options = build(task, model, press, generation)
     check_before_flow(input, model, db, options.wait, data_path)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
@@ -279,11 +280,12 @@ def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_siz
 def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation) -> None:
     """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
     summary from the store."""
+    check_fan_out(db, pool, shards, shard_size)
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.deploy import ServerUnavailable
     from flows.shards import ShardError, fan_out
 
-    check_fan_out(db, pool, shards, shard_size)
-    configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a fanned-out batch runs one press configuration: give one value per press option")
     check_before_flow(input, model, db, options.wait, data_path, load=False)  # creates the lake with its data path
@@ -320,10 +322,11 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
           evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
           press: dict = None, generation: dict = None):
     """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.batch import budget_sweep
     from flows.local_server import local_api
 
-    configs, options = build(task, model, press, generation)
     check_before_flow(input, model, db, options.wait)
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
@@ -385,6 +388,42 @@ def serve(
             serve_batch(c.task, **params)
     except ServerUnavailable as exc:
         fail(str(exc))
+
+
+def check_environment(prefect: bool = True) -> None:
+    """Environment faults, before any work: one line naming the variable and the fix. ``prefect``: the
+    command runs a flow (Prefect's home must be writable, a configured server must answer)."""
+    import os
+    from pathlib import Path
+
+    from pipeline.paths import unwritable
+
+    tmp = os.environ.get("TMPDIR")
+    if tmp is not None:  # mlx, DuckDB and Prefect's subprocesses take it as it is
+        why = "it is empty" if not tmp else unwritable(tmp) or (None if Path(tmp).is_dir() else "no such folder")
+        if why:
+            fail(f"TMPDIR={tmp}: {why}; point TMPDIR at a writable folder or unset it")
+    if not prefect:
+        return
+    home = os.environ.get("PREFECT_HOME")
+    try:
+        folder = Path(home) if home else Path.home() / ".prefect"
+    except RuntimeError:  # no HOME and no password entry
+        fail("HOME is unset and Prefect keeps its files under it; set HOME or PREFECT_HOME to a writable folder")
+    why = unwritable(folder)
+    if why:
+        var = f"PREFECT_HOME={home}" if home else f"HOME={Path.home()} (Prefect keeps its files in ~/.prefect)"
+        fail(f"{var}: {why}; set PREFECT_HOME to a writable folder")
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        from flows.deploy import ServerUnavailable, check_server
+
+        try:
+            check_server(hint="start it (`prefect server start`) or unset PREFECT_API_URL to run with a "
+                              "temporary server of this command's own")
+        except ServerUnavailable as exc:
+            fail(str(exc))
 
 
 def exit_on_sigterm() -> None:
@@ -550,6 +589,7 @@ def eval_(
         engine_options = options.engine_options(evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
+    check_environment(prefect=False)
     check_before_flow(input, model, db, options.wait)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
@@ -666,9 +706,12 @@ def bench(
             nbench.main(args + (["--out", out] if out else []))
         elif what == "memory":
             from pipeline import bench_memory
+            from pipeline.config import INT32_MAX
 
-            bench_memory.main(model, split_list(lengths, int, "--lengths"), budget, compression_ratio, 512,
-                              new_tokens, out or "reports/memory")
+            sizes = split_list(lengths, int, "--lengths")
+            if not sizes or not all(1 <= n <= INT32_MAX for n in sizes):
+                fail(f"--lengths: context lengths must be whole numbers of tokens in 1..{INT32_MAX}, got {lengths!r}")
+            bench_memory.main(model, sizes, budget, compression_ratio, 512, new_tokens, out or "reports/memory")
         elif what == "throughput":
             from pipeline import bench_throughput
 

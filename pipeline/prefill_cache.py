@@ -44,17 +44,12 @@ def check_cap(max_gb: float) -> float:
 def check_folder(folder: str) -> Path:
     """The cache folder, ``~`` expanded, or ``PrefillCacheError``: a path that is (or lies under) a file, or
     a folder (or its nearest existing parent) that cannot be written. Creates nothing."""
-    path = Path(folder).expanduser()
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise PrefillCacheError(f"{folder}: {probe} is not a folder")
-    try:  # a real write: permission bits say nothing to root or on a read-only mount
-        tempfile.TemporaryFile(dir=probe).close()
-    except OSError as exc:
-        raise PrefillCacheError(f"{folder}: cannot write in {probe} ({exc.strerror or exc})") from None
-    return path
+    from pipeline.paths import unwritable
+
+    why = unwritable(folder)
+    if why:
+        raise PrefillCacheError(f"{folder}: {why}")
+    return Path(folder).expanduser()
 
 
 def model_identity(model_ref: str) -> str:

@@ -219,6 +219,15 @@ def every_write_fails(ctx):
     con.close()
 
 
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def stored_doc_ids(ctx) -> set[str]:
     return {r["doc_id"] for r in rows(ctx.db, "SELECT DISTINCT doc_id FROM outputs")}
 
@@ -466,6 +475,21 @@ CASES = [
     error("pool-on-a-duckdb-file", run_with("--pool", "p", "--shards", "2"), "--pool needs a lake store"),
     error("serve-shards-without-pool", ["serve", "--shards", "2", "--db", "{db}"], "give --pool NAME"),
 
+    # ---- the environment: one line naming the variable and the fix, before anything is created
+    error("env-tmpdir-unwritable", RUN, "TMPDIR=", "point TMPDIR at a writable folder",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
+    error("env-tmpdir-missing", RUN, "TMPDIR={tmp}/nope", "no such folder",
+          setup=lambda ctx: ctx.monkeypatch.setenv("TMPDIR", str(ctx.tmp / "nope"))),
+    error("env-prefect-home-unwritable", RUN, "PREFECT_HOME=", "set PREFECT_HOME to a writable folder",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("PREFECT_HOME", ctx.vars["ro"] + "/p"))),
+    error("env-home-unwritable", RUN, "HOME=", "~/.prefect", "set PREFECT_HOME",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.delenv("PREFECT_HOME", raising=False),
+                             ctx.monkeypatch.setenv("HOME", ctx.vars["ro"]))),
+    error("env-prefect-api-url-closed-port", RUN, "PREFECT_API_URL=http://127.0.0.1:", "not answering",
+          "unset PREFECT_API_URL", setup=lambda ctx: ctx.api_url(f"http://127.0.0.1:{closed_port()}/api")),
+    error("env-sweep-tmpdir-unwritable", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "TMPDIR=", setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
+
     # ---- models: checked before anything starts
     error("model-path-missing", run_with("--model", "./no/such/model"), "does not exist"),
     error("model-dir-without-config", run_with("--model", "{tmp}/m"), "without config.json",
@@ -478,6 +502,7 @@ CASES = [
 
     error("model-dir-without-weights", run_with("--model", "{tmp}/m"), "m",
           setup=write_file("m/config.json", b'{"model_type": "llama"}', as_input=False)),
+    error("bench-memory-lengths-0", ["bench", "memory", "--lengths", "0"], "--lengths", "1..2147483647"),
     error("bench-model-unknown", ["bench", "--model", "no such model!"], "unknown model"),
 
     # ---- the store
@@ -657,6 +682,15 @@ class Ctx:
         folder.chmod(0o555)
         self.cleanup.append(lambda: folder.chmod(0o755))
         self.vars["ro"] = str(folder)
+
+    def api_url(self, url: str) -> None:
+        """Prefect configured with this server URL for the row (as PREFECT_API_URL would)."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        settings = temporary_settings(updates={PREFECT_API_URL: url})
+        settings.__enter__()
+        done = []
+        self.cleanup.append(lambda: done or (done.append(1), settings.__exit__(None, None, None)))
 
     def earlier_run(self) -> None:
         """The good batch already done, by the same command."""
