@@ -489,14 +489,20 @@ def run_query(store, sql: str, fmt: str, timeout: float) -> None:
     def produce() -> None:
         try:
             schema, batches = store.stream(sql)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            put(("error", exc))
+            return
+        try:
             put(("schema", schema))
             for batch in batches:
                 if stop.is_set():
                     return
                 put(("batch", batch))
             put(("end", None))
-        except BaseException as exc:  # handed to the main thread, which reports it
+        except BaseException as exc:
             put(("error", exc))
+        finally:
+            batches.close()  # here: the store's session belongs to this thread
 
     waited = [0.0]
 
@@ -565,7 +571,10 @@ def query(
         fail(f"--format must be table, csv or json, got {format!r}")
     if not (math.isfinite(timeout) and timeout >= 0):
         fail(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
-    with user_errors(), Store(db, read_only=True) as store:
+    from pipeline import store as store_mod
+
+    # A batch writing the store holds it only while it stores a document: wait that out.
+    with user_errors(), Store(db, read_only=True, wait_s=store_mod.READER_WAIT_S) as store:
         run_query(store, sql, format, timeout)
 
 

@@ -568,7 +568,8 @@ CASES = [
     query("CREATE TABLE t AS SELECT 1", "refused"),
     query("PRAGMA enable_profiling", "refused"),
     query("SELEC nothing", "query failed"),
-    error("query-held-db", ["query", "SELECT 1", "--db", "{db}"], "another process holds", setup=held()),
+    error("query-held-db", ["query", "SELECT 1", "--db", "{db}"], "another process holds", "after waiting",
+          setup=lambda ctx: (ctx.monkeypatch.setattr("pipeline.store.READER_WAIT_S", 0.3), held()(ctx))),
     error("report-missing-db", ["report", "--db", "{db}", "--out", "{tmp}/rep"], "runs.duckdb",
           check=no_file("rep")),
     error("query-missing-db", ["query", "SELECT 1", "--db", "{db}"], "no such database file"),
@@ -831,7 +832,7 @@ def test_matrix_covers_the_issue():
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
-SIGNAL_ROWS = 8  # the cases below (signals, crash, --verbose, --wait expiring, Ctrl-C and streaming in nkv query)
+SIGNAL_ROWS = 9  # the cases below (signals, crash, --verbose, --wait expiring, nkv query: Ctrl-C, streaming, read during a batch)
 
 
 @pytest.fixture(scope="module")
@@ -1059,3 +1060,51 @@ def test_query_results_reach_the_writer_in_batches(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert sum(sizes) == 20000 and len(sizes) > 1 and max(sizes) <= 4096, sizes
     assert [r["i"] for r in strict_json(res.stdout)] == list(range(20000))
+
+
+WRITER = """
+import sys
+from pipeline.config import RunConfig
+from pipeline.results import DocumentResult, QuestionResult
+from pipeline.store import Store
+
+with Store(sys.argv[1]) as s:
+    run = s.start_run(RunConfig(model="m"), "in")
+    for i in range(int(sys.argv[2])):
+        s.write_document(run, DocumentResult(f"doc-{i}", f"{i:064x}", 9, questions=[QuestionResult(0, "q?", "a")]))
+        print("stored", i + 1, flush=True)
+        sys.stdin.readline()  # the test says when to store the next one
+    s.finish_run(run, "completed")
+"""
+
+
+def test_nkv_query_reads_the_store_while_a_batch_writes_it(tmp_path):
+    """A batch holds the DuckDB file only while it stores a document: between documents `nkv query` reads
+    every finished one, a second batch is still refused, and a reader holding the file delays the writer
+    instead of failing it."""
+    db = tmp_path / "runs.duckdb"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "3"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for n in (1, 2):
+            assert writer.stdout.readline().split() == ["stored", str(n)]
+            res = invoke(["query", "SELECT count(*) AS n FROM outputs", "--db", str(db), "--format", "csv"])
+            assert res.exit_code == 0 and res.stdout == f'"n"\n{n}\n', res.output
+            if n == 1:
+                writer.stdin.write("\n")
+                writer.stdin.flush()
+        with pytest.raises(Exception, match="an nkv batch is writing it"):
+            Store(db)  # the one-writer guarantee holds between the batch's transactions too
+        reader = duckdb.connect(str(db), read_only=True)  # a reader that holds the file while the writer goes on
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        time.sleep(0.5)
+        assert writer.poll() is None
+        reader.close()
+        assert writer.stdout.readline().split() == ["stored", "3"]  # it waited for the reader, then stored
+        writer.stdin.write("\n")
+        writer.stdin.close()
+        assert writer.wait(30) == 0
+        assert rows(db, "SELECT status FROM runs") == [{"status": "completed"}]
+    finally:
+        writer.kill()
