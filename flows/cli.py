@@ -311,7 +311,7 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
     say(f"{result.summary()} -> {db}")
     if result.savings:
         print_table(pa.Table.from_pylist(result.savings), title="memory savings")
-    if result.n_ok < result.n_documents:
+    if result.n_documents == 0 or result.n_ok < result.n_documents:  # as exit_unless_done: none done is no success
         raise typer.Exit(1)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import unicodedata
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -45,6 +46,14 @@ class RowError:
         return f"{self.source} row {self.row}{who}: {self.field}: {self.message}"
 
 
+_INVISIBLE = {"Cc", "Cf", "Zs", "Zl", "Zp", "Cs", "Co", "Cn"}  # controls, zero-width/BOM, spaces, unassigned
+
+
+def visible(ch: str) -> bool:
+    """A character that shows: not whitespace, a control, a format character (zero-width, BOM) or unassigned."""
+    return unicodedata.category(ch) not in _INVISIBLE
+
+
 def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -63,8 +72,9 @@ class Document(BaseModel):
     @field_validator("doc_id", "text")
     @classmethod
     def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
+        if not any(visible(c) for c in v):
+            raise ValueError("must not be empty" if not v.strip() else
+                             "must not be empty (it holds only invisible or control characters)")
         return v
 
     @field_validator("answers")
@@ -87,8 +97,8 @@ class Document(BaseModel):
 
 
 def _files(path: PathLike) -> list[Path]:
-    p = Path(path)
-    text = str(path)
+    p = Path(path).expanduser()
+    text = str(p) if str(path).startswith("~") else str(path)
     if any(ch in text for ch in "*?["):
         files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
         if not files:
@@ -101,6 +111,8 @@ def _files(path: PathLike) -> list[Path]:
         return files
     if not p.exists():
         raise InputError(f"{p}: no such file")
+    if not p.is_file():  # a FIFO or a device would block the read, or never end
+        raise InputError(f"{p}: not a regular file")
     return [p]
 
 

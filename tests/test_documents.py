@@ -349,3 +349,33 @@ def test_a_value_arrow_cannot_convert_is_a_bad_row_not_a_crash():
     (rec0, bad0), (rec1, bad1) = _batch_records(batch)
     assert rec0["questions"] == ["q?"] and bad0 is None
     assert bad1[0] == "questions" and "cannot be read" in bad1[1] and rec1["doc_id"] == "d1"
+
+
+@pytest.mark.parametrize("text", ["\u200b\u200c\u2060", "\ufeff", "\x01\x02\x7f", " \u200b\n\ufeff\t"])
+def test_a_text_of_only_invisible_characters_is_a_bad_row(tmp_path, text):
+    f = write(tmp_path / "a.parquet", {"doc_id": ["d0", "d1"], "text": ["Visible text.", text]})
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0"]
+    assert [(e.row, e.field) for e in errors] == [(1, "text")] and "must not be empty" in errors[0].message
+
+
+def test_visible_text_with_invisible_characters_is_kept(tmp_path):
+    f = write(tmp_path / "a.parquet", {"doc_id": ["d0"], "text": ["\ufeffA\u200b"]})
+    docs, errors = load_documents(f)
+    assert errors == [] and docs[0].text == "\ufeffA\u200b"  # kept as given: the content hash is of the input
+
+
+def test_a_fifo_is_refused_without_reading_it(tmp_path):
+    import os
+
+    fifo = tmp_path / "x.parquet"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        check_input(fifo)
+
+
+def test_a_path_with_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path / "a.parquet", {"doc_id": ["d0"], "text": ["Text."]})
+    docs, errors = load_documents("~/a.parquet")
+    assert [d.doc_id for d in docs] == ["d0"] and errors == []

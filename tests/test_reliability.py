@@ -219,6 +219,23 @@ def every_write_fails(ctx):
     con.close()
 
 
+def home_in_tmp(ctx) -> None:
+    """HOME is the row's folder and so is the working directory: a '~' taken literally would show as ./~."""
+    ctx.monkeypatch.setenv("HOME", str(ctx.tmp))
+    ctx.monkeypatch.chdir(ctx.tmp)
+    ctx.db = ctx.tmp / "stores" / "x.duckdb"
+
+
+SPLIT_TEXT = "A document that quotes the prompt's cut marker \u241eNKV-QUESTION\u241e and goes on after it."
+
+
+def _context_holds_all_of(doc_id: str, text: str, ctx) -> None:
+    """The whole document went into the compressed context: its token count is the whole text's bytes
+    (the byte tokenizer) plus the template, more than the text alone."""
+    (n,) = [r["n_tokens"] for r in rows(ctx.db, f"SELECT n_tokens FROM outputs WHERE doc_id = '{doc_id}'")]
+    assert n > len(text.encode()), n
+
+
 def closed_port() -> int:
     """A local port nothing listens on (bound, then released)."""
     import socket
@@ -356,6 +373,8 @@ CASES = [
     error("input-folder-with-one-bad-file", RUN, "not a readable Parquet file",
           setup=lambda ctx: (batch()(ctx), (ctx.tmp / "z.parquet").write_bytes(b"PAR1 nope PAR1"),
                              setattr(ctx, "input", str(ctx.tmp)))),
+    error("input-fifo", RUN, "not a regular file", setup=lambda ctx: (os.mkfifo(ctx.tmp / "x.parquet"),
+                                                                      setattr(ctx, "input", str(ctx.tmp / "x.parquet")))),
     error("sweep-input-missing", ["sweep", "--input", "{tmp}/missing.parquet", "--model", TINY_NAME, "--db", "{db}"],
           "no such file"),
     error("eval-input-missing", ["eval", "--input", "{tmp}/missing.parquet", "--model", TINY_NAME, "--db", "{db}"],
@@ -366,6 +385,10 @@ CASES = [
        bad_rows=1, bad_field="text"),
     ok("row-text-blank", RUN, "must not be empty", setup=batch({"doc_id": "doc-x", "text": "  \n "}),
        bad_rows=1, bad_field="text"),
+    ok("row-text-zero-width-only", RUN, "invisible or control characters",
+       setup=batch({"doc_id": "doc-x", "text": "\u200b\u2060\ufeff"}), bad_rows=1, bad_field="text"),
+    ok("row-text-control-only", RUN, "invisible or control characters",
+       setup=batch({"doc_id": "doc-x", "text": "\x01\x02\x1b"}), bad_rows=1, bad_field="text"),
     ok("row-doc_id-null", RUN, "doc_id: missing", setup=batch({"doc_id": None, "text": "some text"}),
        bad_rows=1, bad_field="doc_id"),
     ok("row-doc_id-blank", RUN, "must not be empty", setup=batch({"doc_id": " ", "text": "some text"}),
@@ -532,6 +555,9 @@ CASES = [
              check=lambda ctx, res: stored_doc_ids(ctx) == {"doc-0"}),
     not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=every_write_fails,
              runs=("completed", "failed"), done=(), check=lambda ctx, res: stored_doc_ids(ctx) == set()),
+    error("db-in-memory", run_with("--db", ":memory:"), ":memory:", "would lose every result"),
+    ok("db-with-tilde", run_with("--db", "~/stores/x.duckdb"), setup=home_in_tmp,
+       check=lambda ctx, res: not (ctx.tmp / "~").exists()),
     error("db-held-by-another-process", RUN, "another process holds", "DuckDB allows one writer", setup=held()),
     ok("db-held-then-released-with-wait", run_with("--wait", "60"), "held by another writer", setup=held(1.5),
        runs=("completed", "completed")),
@@ -619,6 +645,12 @@ CASES = [
        bad_rows=1),
     ok("escape-sequence-in-good-doc_id", RUN, "3 done", setup=batch({"doc_id": "\x1b[2Jclear", "text": "fine"}),
        done=GOOD + ("\x1b[2Jclear",)),
+
+    ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
+       done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
+    not_done("too-long-with-truncate", run_with("--truncate", "--max-new-tokens", "5000"), "did not end ok",
+             done=(), check=lambda ctx, res: all("lower --max-new-tokens" in r["error"] and "pass --truncate" not in
+                                                 r["error"] for r in rows(ctx.db, "SELECT error FROM outputs"))),
 
     # ---- resume and re-runs
     ok("rerun-does-nothing-twice", RUN, "0 runs", "2 already done", setup=lambda ctx: ctx.earlier_run(),
