@@ -860,7 +860,7 @@ def check_store(case: Case, ctx: Ctx) -> None:
 
 
 def test_matrix_covers_the_issue():
-    assert len(CASES) + SIGNAL_ROWS >= 77
+    assert len(CASES) + SIGNAL_ROWS >= 177
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
