@@ -21,7 +21,7 @@ from pipeline import engine
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, BatchOptions, HeadBudget, PrefillMode, RunConfig, Task
 from pipeline.documents import Document
 from pipeline.engine import EngineOptions, Hooks, Outcome, Summary
-from pipeline.store import Store
+from pipeline.store import Store, StoreWriteError
 
 # Worth retrying: device memory, I/O and runtime failures. Anything else (a bug, bad data) would fail
 # again the same way, so it stays an error row at once.
@@ -42,8 +42,12 @@ def documents_task(runner, store: Store, plan: engine.Plan, label: str, docs: li
                    hooks: Hooks) -> list[list[Outcome]]:
     """Documents (one, or a group decoded together) under every configuration each still needs, each
     stored in one transaction. A transient failure is stored as error rows and raised for Prefect to
-    retry; on the last attempt the rows stay."""
-    return engine.process_documents(runner, store, plan, docs, hooks=hooks, retry_if=should_retry)
+    retry; on the last attempt the rows stay. A failed write is returned, not raised: retrying the model
+    work would not make the disk larger, and the batch stops on it (``engine.run_batch``)."""
+    try:
+        return engine.process_documents(runner, store, plan, docs, hooks=hooks, retry_if=should_retry)
+    except StoreWriteError as exc:
+        return exc
 
 
 def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, options: BatchOptions,
@@ -68,6 +72,8 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
             state = one(quote(runner), quote(store), quote(plan), label, quote(docs), quote(hooks), return_state=True)
             if state.is_completed():
                 per_doc = state.result()
+                if isinstance(per_doc, StoreWriteError):
+                    raise per_doc  # the batch stops and says so (Summary.problem)
             else:  # the store write itself failed: the engine already turned model errors into rows
                 exc = state.result(raise_on_failure=False)
                 per_doc = [[Outcome(cfg, engine.error_result(doc, exc)) for cfg in plan.todo(doc)] for doc in docs]
@@ -94,6 +100,8 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
             f"{len(summary.input_errors)} bad input rows")
     sections = [("Batch", head), ("Runs", runs), ("Memory savings", artifacts.markdown_table(summary.savings)),
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
+    if summary.write_error:
+        sections.append(("Stopped", summary.problem()))
     failed = [o for o in summary.outcomes if o.result.status != engine.OK]
     if failed or summary.input_errors:
         lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.error}" for o in failed]

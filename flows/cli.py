@@ -17,6 +17,7 @@ from rich.text import Text
 
 import nestedkv
 from flows.options import generation_options, press_options
+from flows.output import CONTROL_ESCAPES, plain
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
@@ -27,13 +28,6 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="smollm2-135m, an mlx-lm 
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="DuckDB file, or a lake: ducklake:sqlite:PATH, ducklake:postgres:CONNINFO")
 DataPathOpt = typer.Option(None, "--data-path", help="folder (shared by every worker) for a new lake's Parquet files")
 
-
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-
-
-def plain(text) -> str:
-    """User text made safe for a terminal: control characters (escape sequences, newlines) shown escaped."""
-    return str(text).translate(_CONTROL)
 
 
 def say(*parts, style: Optional[str] = None) -> None:
@@ -55,7 +49,7 @@ def markup_safe(text) -> str:
     return escape(plain(text))
 
 
-_LOG_CONTROL = {c: e for c, e in _CONTROL.items() if chr(c) not in "\n\t"}  # log lines may span lines
+_LOG_CONTROL = {c: e for c, e in CONTROL_ESCAPES.items() if chr(c) not in "\n\t"}  # log lines may span lines
 
 
 class _PrintableLog(logging.Filter):
@@ -119,24 +113,27 @@ def progress_bars() -> Progress:
 
 def print_table(table, fmt: str = "table", title: Optional[str] = None) -> None:
     """Print a pyarrow Table as a terminal table, CSV or JSON (stdout)."""
-    rows = table.to_pylist()
-    if fmt == "json":
-        sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
-        return
-    if fmt == "csv":
-        import pyarrow.csv as pacsv
+    print_result(table.schema, table.to_batches(), fmt, title)
 
-        pacsv.write_csv(table, sys.stdout.buffer)
-        return
+
+def print_result(schema, batches, fmt: str = "table", title: Optional[str] = None) -> bool:
+    """Record batches as a terminal table, CSV or JSON (stdout), written as they come; a table shows at most
+    ``output.TABLE_ROWS`` rows. True when rows were left out (the caller may stop the query)."""
+    from flows import output
+
+    if fmt in ("csv", "json"):
+        output.write_result(fmt, schema, batches, sys.stdout)
+        return False
+    cells, more = output.table_rows(batches)
     out = Table(title=title, show_lines=False)
-    cells = [["" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
-    for i, name in enumerate(table.column_names):
+    for i, name in enumerate(schema.names):
         # Short columns (ids, numbers) never wrap; long text folds.
         widest = max([len(name)] + [len(c[i]) for c in cells])
         out.add_column(Text(plain(name)), overflow="fold", min_width=min(widest, 28))
     for c in cells:
-        out.add_row(*(Text(plain(v)) for v in c))
+        out.add_row(*(Text(v) for v in c))
     out_console.print(out)
+    return more
 
 
 InputOpt = typer.Option(DEFAULT_INPUT, "--input", help="Parquet file, glob or folder")
@@ -230,6 +227,13 @@ def print_summary(summary, db: str) -> None:
         print_table(pa.Table.from_pylist(summary.savings), title="memory savings")
 
 
+def exit_unless_done(summary) -> None:
+    """Exit 1 with one line unless every valid document is done, now or before (README: exit codes)."""
+    if not summary.all_done:
+        say(("error:", "red"), " ", summary.problem())
+        raise typer.Exit(1)
+
+
 @app.command()
 @press_options()
 @generation_options()
@@ -244,11 +248,12 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
     values: every combination, one run each)."""
     if pool or shards is not None or shard_size is not None:
         return run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation)
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.batch import FLOWS, budget_sweep
     from flows.deploy import config_settings
     from flows.local_server import local_api
 
-    configs, options = build(task, model, press, generation)
     check_before_flow(input, model, db, options.wait, data_path, configs=configs)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
@@ -259,6 +264,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
             summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                    reference=False, evaluate=False, options=options, hooks=hooks)
     print_summary(summary, db)
+    exit_unless_done(summary)
 
 
 def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_size: Optional[int]) -> None:
@@ -277,11 +283,12 @@ def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_siz
 def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation) -> None:
     """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
     summary from the store."""
+    check_fan_out(db, pool, shards, shard_size)
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.deploy import ServerUnavailable
     from flows.shards import ShardError, fan_out
 
-    check_fan_out(db, pool, shards, shard_size)
-    configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a fanned-out batch runs one press configuration: give one value per press option")
     check_before_flow(input, model, db, options.wait, data_path, load=False)  # creates the lake with its data path
@@ -307,7 +314,7 @@ def run_pool(input, task, model, db, data_path, pool, shards, shard_size, press,
     say(f"{result.summary()} -> {db}")
     if result.savings:
         print_table(pa.Table.from_pylist(result.savings), title="memory savings")
-    if result.n_ok < result.n_documents:
+    if result.n_documents == 0 or result.n_ok < result.n_documents:  # as exit_unless_done: none done is no success
         raise typer.Exit(1)
 
 
@@ -318,10 +325,11 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
           evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
           press: dict = None, generation: dict = None):
     """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
+    configs, options = build(task, model, press, generation)
+    check_environment()
     from flows.batch import budget_sweep
     from flows.local_server import local_api
 
-    configs, options = build(task, model, press, generation)
     check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
@@ -329,6 +337,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
         summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
                                evaluate=evaluate, options=options, hooks=hooks)
     print_summary(summary, db)
+    exit_unless_done(summary)
 
 
 @app.command()
@@ -385,6 +394,42 @@ def serve(
         fail(str(exc))
 
 
+def check_environment(prefect: bool = True) -> None:
+    """Environment faults, before any work: one line naming the variable and the fix. ``prefect``: the
+    command runs a flow (Prefect's home must be writable, a configured server must answer)."""
+    import os
+    from pathlib import Path
+
+    from pipeline.paths import unwritable
+
+    tmp = os.environ.get("TMPDIR")
+    if tmp is not None:  # mlx, DuckDB and Prefect's subprocesses take it as it is
+        why = "it is empty" if not tmp else unwritable(tmp) or (None if Path(tmp).is_dir() else "no such folder")
+        if why:
+            fail(f"TMPDIR={tmp}: {why}; point TMPDIR at a writable folder or unset it")
+    if not prefect:
+        return
+    home = os.environ.get("PREFECT_HOME")
+    try:
+        folder = Path(home) if home else Path.home() / ".prefect"
+    except RuntimeError:  # no HOME and no password entry
+        fail("HOME is unset and Prefect keeps its files under it; set HOME or PREFECT_HOME to a writable folder")
+    why = unwritable(folder)
+    if why:
+        var = f"PREFECT_HOME={home}" if home else f"HOME={Path.home()} (Prefect keeps its files in ~/.prefect)"
+        fail(f"{var}: {why}; set PREFECT_HOME to a writable folder")
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        from flows.deploy import ServerUnavailable, check_server
+
+        try:
+            check_server(hint="start it (`prefect server start`) or unset PREFECT_API_URL to run with a "
+                              "temporary server of this command's own")
+        except ServerUnavailable as exc:
+            fail(str(exc))
+
+
 def exit_on_sigterm() -> None:
     """A terminated flow run still stops Prefect's temporary server (its atexit hook), instead of orphaning it.
     Ctrl-C (SIGINT) stops the batch the same clean way even when the command inherited SIGINT ignored, as a
@@ -435,19 +480,124 @@ def check_kv_group_size(model, configs) -> None:
             fail(f"--kv-group-size: {exc}")
 
 
+QUERY_TIMEOUT_S = 60.0  # interactive: a query that runs longer is most likely a mistake (--timeout 0: none)
+
+
+class QueryStopped(Exception):
+    """The query was stopped (timeout); the message says why."""
+
+
+def run_query(store, sql: str, fmt: str, timeout: float) -> None:
+    """Run the query on a worker thread and write its batches here as they come: this thread stays free
+    for Ctrl-C, and Ctrl-C or ``timeout`` (seconds spent waiting on the database) interrupt the query
+    (``con.interrupt``). A table shows the first rows only, and then the query is stopped as well."""
+    import queue
+    import threading
+    import time
+
+    from flows.output import TABLE_ROWS
+
+    q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: the query never runs far ahead of the writer
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            schema, batches = store.stream(sql)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            put(("error", exc))
+            return
+        try:
+            put(("schema", schema))
+            for batch in batches:
+                if stop.is_set():
+                    return
+                put(("batch", batch))
+            put(("end", None))
+        except BaseException as exc:
+            put(("error", exc))
+        finally:
+            batches.close()  # here: the store's session belongs to this thread
+
+    waited = [0.0]
+
+    def take():
+        while True:
+            t0 = time.monotonic()
+            try:
+                kind, value = q.get(timeout=0.1)
+            except queue.Empty:
+                kind = None
+            waited[0] += time.monotonic() - t0
+            if kind == "error":
+                raise value
+            if kind is not None:
+                return kind, value
+            if timeout and waited[0] > timeout:
+                raise QueryStopped(f"query stopped after {timeout:g} s (--timeout SECONDS, 0 for no limit)")
+
+    def batches():
+        while True:
+            kind, value = take()
+            if kind == "end":
+                return
+            yield value
+
+    worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
+    worker.start()
+
+    def halt() -> None:
+        stop.set()
+        if worker.is_alive():
+            store.interrupt()
+        worker.join(10)
+
+    try:
+        _, schema = take()
+        if print_result(schema, batches(), fmt):
+            say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
+    except KeyboardInterrupt:
+        halt()
+        fail("query interrupted (Ctrl-C)", 130)
+    except QueryStopped as exc:
+        halt()
+        fail(str(exc), 1)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly
+        halt()
+        raise typer.Exit(0)
+    finally:
+        halt()
+
+
 @app.command()
 def query(
     sql: str = typer.Argument(..., help="SQL to run read-only"),
     db: str = DbOpt,
     format: str = typer.Option("table", "--format", help="table, csv or json"),
+    timeout: float = typer.Option(QUERY_TIMEOUT_S, "--timeout", help="seconds the query may wait on the database "
+                                  "before it is stopped (0: no limit); Ctrl-C stops it at once"),
 ):
-    """Run a read-only SQL query against the store."""
+    """Run a read-only SQL query against the store (results are written as they are read)."""
+    import math
+
     from pipeline.store import Store
 
     if format not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {format!r}")
-    with user_errors(), Store(db, read_only=True) as store:
-        print_table(store.query(sql), format)
+    if not (math.isfinite(timeout) and timeout >= 0):
+        fail(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
+    from pipeline import store as store_mod
+
+    # A batch writing the store holds it only while it stores a document: wait that out.
+    with user_errors(), Store(db, read_only=True, wait_s=store_mod.READER_WAIT_S) as store:
+        run_query(store, sql, format, timeout)
 
 
 @app.command("eval")
@@ -470,6 +620,7 @@ def eval_(
         engine_options = EngineOptions.for_batch(options, evaluate=True, metrics=tuple(metric or ()))
     except ValueError as exc:
         invalid(exc)
+    check_environment(prefect=False)
     check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
@@ -477,6 +628,7 @@ def eval_(
         summary = run_engine(input, configs, db, engine_options, hooks=hooks, wait_s=options.wait)
     print_summary(summary, db)
     say(f"{summary.wall_s:.0f} s; `nkv report --db {db}` for the table and plot")
+    exit_unless_done(summary)
 
 
 @app.command()
@@ -591,9 +743,12 @@ def bench(
             nbench.main(args + (["--out", out] if out else []))
         elif what == "memory":
             from pipeline import bench_memory
+            from pipeline.config import INT32_MAX
 
-            bench_memory.main(model, split_list(lengths, int, "--lengths"), budget, compression_ratio, 512,
-                              new_tokens, out or "reports/memory")
+            sizes = split_list(lengths, int, "--lengths")
+            if not sizes or not all(1 <= n <= INT32_MAX for n in sizes):
+                fail(f"--lengths: context lengths must be whole numbers of tokens in 1..{INT32_MAX}, got {lengths!r}")
+            bench_memory.main(model, sizes, budget, compression_ratio, 512, new_tokens, out or "reports/memory")
         elif what == "throughput":
             from pipeline import bench_throughput
 

@@ -30,19 +30,20 @@ def absolute(path: str) -> str:
     return str(p.resolve()) if p.exists() or p.parent.exists() and p.suffix else path
 
 
-def check_server(timeout: float = 3.0) -> str:
+def check_server(timeout: float = 3.0, hint: Optional[str] = None) -> str:
     """The configured API URL, once it answers; ``ServerUnavailable`` (one line) otherwise."""
     import httpx
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
-    hint = f"start one with `prefect server start` and set PREFECT_API_URL={LOCAL_API}"
+    hint = hint or f"start one with `prefect server start` and set PREFECT_API_URL={LOCAL_API}"
     if not url:
         raise ServerUnavailable(f"no Prefect server configured (PREFECT_API_URL is unset): {hint}")
     try:
         httpx.get(url.rstrip("/") + "/health", timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ServerUnavailable(f"the Prefect server at {url} is not answering ({type(exc).__name__}): {hint}") from None
+        raise ServerUnavailable(f"the Prefect server at PREFECT_API_URL={url} is not answering "
+                                f"({type(exc).__name__}): {hint}") from None
     return url
 
 

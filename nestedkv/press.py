@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, Optional
 
@@ -24,6 +25,8 @@ from nestedkv.selection import (
 PREFILL_MODES = ("whole", "streaming")
 KV_BITS = (4, 8)  # quantized KV (mx.quantize, affine): the widths mlx-lm users pass as --kv-bits
 KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts; 64 is mlx-lm's default
+INT32_MAX = 2**31 - 1  # lengths and positions are int32 in the cache's arrays
+SEED_MAX = 2**64 - 1  # mx.random.key takes a uint64
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,9 @@ class BasePress:
         check_ratio(self.compression_ratio)
         check_budget(self.budget)
         check_head_budget(self.head_budget)
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
-        if not 0.0 <= self.safeguard <= 1.0:
+        if not _int_in(self.n_sink, 0, INT32_MAX):
+            raise ValueError(f"n_sink must be an int in 0..{INT32_MAX}, got {self.n_sink!r}")
+        if not (_number(self.safeguard) and 0.0 <= self.safeguard <= 1.0):
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
@@ -124,12 +127,17 @@ class NoPress(BasePress):
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (NaN and infinities would reach the stored configuration and the scores)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _check(ok: bool, name: str, want: str, got) -> None:
+def _int_in(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check(ok: bool, name: str, want: str, got, press: str = "nestedkv") -> None:
     if not ok:
-        raise ValueError(f"nestedkv parameter {name} must be {want}, got {got!r}")
+        raise ValueError(f"{press} parameter {name} must be {want}, got {got!r}")
 
 
 @dataclass(frozen=True)
@@ -148,14 +156,13 @@ class NestedKVPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
-               "window", "an int >= 1", self.window)
-        _check(self.block is None or (isinstance(self.block, int) and not isinstance(self.block, bool)
-                                      and self.block >= 1), "block", "None or an int >= 1", self.block)
+        _check(_int_in(self.window, 1, INT32_MAX), "window", f"an int in 1..{INT32_MAX}", self.window)
+        _check(self.block is None or _int_in(self.block, 1, INT32_MAX), "block", f"None or an int in 1..{INT32_MAX}",
+               self.block)
         _check(isinstance(self.prior, tuple) and len(self.prior) == 3 and all(_number(p) and p > 0 for p in self.prior),
                "prior", "three positive numbers", self.prior)
         for name in ("beta", "tau", "kappa"):
-            _check(_number(getattr(self, name)), name, "a number", getattr(self, name))
+            _check(_number(getattr(self, name)), name, "a finite number", getattr(self, name))
         _check(_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail)
         _check(isinstance(self.use_gate, bool), "use_gate", "true or false", self.use_gate)
         _check(isinstance(self.scales, tuple) and len(self.scales) == 3 and all(isinstance(x, bool) for x in self.scales)
@@ -205,6 +212,10 @@ class RandomPress(BasePress):
     name: ClassVar[str] = "random"
 
     seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(_int_in(self.seed, 0, SEED_MAX), "seed", f"an int in 0..{SEED_MAX}", self.seed, press=self.name)
 
     def score(self, keys):
         return scoring.random_scores(keys, self.seed)

@@ -91,10 +91,13 @@ class PressSettings(_Settings):
 
     @model_validator(mode="after")
     def _press_accepts(self):
-        clash = sorted(set(self.press_params) & set(PressSettings.model_fields))
-        if clash:  # e.g. kv_bits as a press parameter would bypass runs.kv_bits and the views
-            raise ValueError(f"press_params {clash}: these are options of their own (--{clash[0].replace('_', '-')}), "
-                             "not press parameters")
+        own = sorted(set(self.press_params) & (set(PressSettings.model_fields) - {"press", "press_params"}))
+        if own:  # passed on, the press would run one way while the stored run says another
+            raise ValueError(f"{', '.join(own)} is an option of its own (--{own[0].replace('_', '-')}), "
+                             "not a press parameter")
+        if self.press == REFERENCE_PRESS and self.press_params:
+            raise ValueError(f"no_press compresses nothing and takes no press parameters, got "
+                             f"{', '.join(sorted(self.press_params))}")
         self.make_press()  # the press validates its own parameters (names and ranges)
         return self
 
@@ -194,17 +197,26 @@ class BatchOptions(GenerationSettings):
     """Generation settings plus how a batch runs (the flows' ``options`` parameter)."""
 
     retries: int = Field(2, ge=0, le=100, description="task retries for transient errors (device memory, I/O)")
-    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
+    retry_delay_s: float = Field(5.0, ge=0, allow_inf_nan=False, description="seconds between retries")
     batch_decode: bool = Field(False, description="decode the configurations of a document together")
     batch_size: int = Field(1, ge=1, le=4096, description="documents decoded together (each prefilled and "
                             "compressed on its own; same answers, one transaction per document)")
     wait: float = Field(0.0, ge=0, description="seconds to wait for another writer to release the store")
     prefill_cache: Optional[str] = Field(None, description="folder of reusable uncompressed prefills: a re-run "
                                          "with a new budget or method skips the prefill")
-    prefill_cache_gb: float = Field(20.0, gt=0, description="size cap of the prefill cache (least recently used "
+    prefill_cache_gb: float = Field(20.0, gt=0, allow_inf_nan=False, description="size cap of the prefill cache (least recently used "
                                     "entries go first)")
     on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
                                                  "prefill runs out of memory is redone evicting while prefilling")
+
+    @field_validator("prefill_cache")
+    @classmethod
+    def _usable_folder(cls, v: Optional[str]) -> Optional[str]:
+        from pipeline.prefill_cache import check_folder
+
+        if v is not None:
+            check_folder(v)
+        return v
 
     def generation(self) -> dict:
         return self.model_dump(include=set(GenerationSettings.model_fields))

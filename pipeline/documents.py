@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import unicodedata
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -45,6 +46,14 @@ class RowError:
         return f"{self.source} row {self.row}{who}: {self.field}: {self.message}"
 
 
+_INVISIBLE = {"Cc", "Cf", "Zs", "Zl", "Zp", "Cs", "Co", "Cn"}  # controls, zero-width/BOM, spaces, unassigned
+
+
+def visible(ch: str) -> bool:
+    """A character that shows: not whitespace, a control, a format character (zero-width, BOM) or unassigned."""
+    return unicodedata.category(ch) not in _INVISIBLE
+
+
 def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -63,8 +72,9 @@ class Document(BaseModel):
     @field_validator("doc_id", "text")
     @classmethod
     def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
+        if not any(visible(c) for c in v):
+            raise ValueError("must not be empty" if not v.strip() else
+                             "must not be empty (it holds only invisible or control characters)")
         return v
 
     @field_validator("answers")
@@ -87,8 +97,8 @@ class Document(BaseModel):
 
 
 def _files(path: PathLike) -> list[Path]:
-    p = Path(path)
-    text = str(path)
+    p = Path(path).expanduser()
+    text = str(p) if str(path).startswith("~") else str(path)
     if any(ch in text for ch in "*?["):
         files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
         if not files:
@@ -101,6 +111,8 @@ def _files(path: PathLike) -> list[Path]:
         return files
     if not p.exists():
         raise InputError(f"{p}: no such file")
+    if not p.is_file():  # a FIFO or a device would block the read, or never end
+        raise InputError(f"{p}: not a regular file")
     return [p]
 
 
@@ -144,17 +156,34 @@ def check_input(path: PathLike, pages: bool = False) -> list[Path]:
     return files
 
 
+NOT_UTF8 = "not valid UTF-8"
+
+
 def _binary_type(t: pa.DataType) -> Optional[pa.DataType]:
-    """The same type with strings as bytes, or None when ``t`` holds no strings."""
-    if pa.types.is_string(t):
+    """The same type with every string as bytes (dictionaries unpacked), or None when ``t`` holds no strings."""
+    if pa.types.is_string(t) or pa.types.is_string_view(t):
         return pa.binary()
     if pa.types.is_large_string(t):
         return pa.large_binary()
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        inner = _binary_type(t.value_type)
-        if inner is not None:
-            return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    if pa.types.is_dictionary(t):
+        return _binary_type(t.value_type)
+    # (list views cannot be cast: their values go through ``_values``, value by value)
+    lists = {pa.types.is_list: pa.list_, pa.types.is_large_list: pa.large_list,
+             pa.types.is_fixed_size_list: lambda inner: pa.list_(inner, t.list_size)}
+    for is_kind, make in lists.items():
+        if is_kind(t):
+            inner = _binary_type(t.value_type)
+            return None if inner is None else make(inner)
     return None
+
+
+def _as_bytes(arr: pa.Array, binary: pa.DataType) -> pa.Array:
+    """``arr`` with its strings as bytes: no value is decoded, so none can fail here."""
+    if isinstance(arr, pa.ChunkedArray):
+        return pa.chunked_array([_as_bytes(c, binary) for c in arr.chunks], binary)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    return arr.cast(binary)
 
 
 def _decode(value, field: str):
@@ -175,29 +204,52 @@ def _decode(value, field: str):
     return value, None
 
 
-def _batch_records(batch: pa.RecordBatch) -> Iterator[tuple[dict, Optional[str]]]:
-    """(record, field that is not valid UTF-8 or None) per row. Parquet does not guarantee valid UTF-8 in
-    string columns and Arrow decodes a whole batch at once, so one bad value fails the batch: then its
-    string columns are read as bytes and decoded value by value, so only that row is lost."""
+class _Unreadable:
+    """A value Arrow could not turn into Python (its reason kept for the bad row)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.reason = f"cannot be read ({type(exc).__name__}: {_one_line(exc)})"
+
+
+def _values(arr) -> list:
+    """The column's Python values; one that cannot be converted becomes an ``_Unreadable``, not an error."""
     try:
-        return ((record, None) for record in batch.to_pylist())
-    except (UnicodeDecodeError, pa.ArrowInvalid):  # some value in the batch is not UTF-8
-        pass
-    raw = []
+        return arr.to_pylist()
+    except Exception:  # noqa: BLE001  (input data: any conversion failure is a bad row)
+        out = []
+        for i in range(len(arr)):
+            try:
+                out.append(arr[i].as_py())
+            except Exception as exc:  # noqa: BLE001
+                out.append(_Unreadable(exc))
+        return out
+
+
+def _batch_records(batch: pa.RecordBatch) -> Iterator[tuple[dict, Optional[tuple[str, str]]]]:
+    """(record, (field, reason) for the first value that cannot be decoded, or None) per row. Parquet does
+    not guarantee valid UTF-8 in string columns, whatever their layout (plain, large, view, dictionary),
+    and Arrow decodes a whole column at once: so strings are read as bytes and decoded value by value,
+    and one bad value loses its row only."""
+    columns, decoded = {}, set()
     for i, name in enumerate(batch.schema.names):
-        binary = _binary_type(batch.schema.field(i).type)
+        col = batch.column(i)
+        binary = _binary_type(col.type)
         if binary is not None:
-            batch = batch.set_column(i, name, batch.column(i).cast(binary))
-            raw.append(name)
-    return (_decode_record(record, raw) for record in batch.to_pylist())
-
-
-def _decode_record(record: dict, raw: list[str]) -> tuple[dict, Optional[str]]:
-    bad = None
-    for name in raw:
-        record[name], b = _decode(record[name], name)
-        bad = bad or b
-    return record, bad
+            col = _as_bytes(col, binary)
+            decoded.add(name)
+        columns[name] = _values(col)
+    for r in range(batch.num_rows):
+        record, bad = {}, None
+        for name, values in columns.items():
+            value = values[r]
+            if isinstance(value, _Unreadable):
+                bad = bad or (name, value.reason)
+                value = None
+            elif name in decoded:
+                value, field = _decode(value, name)
+                bad = bad or (field and (field, NOT_UTF8))
+            record[name] = value
+        yield record, bad
 
 
 def _batches(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, pa.RecordBatch]]:
@@ -212,14 +264,13 @@ def _batches(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterato
         raise InputError(f"{path}: corrupt Parquet data near row {row} ({_one_line(e)})") from None
 
 
-def _rows(path: Path, pf: pq.ParquetFile, wanted: tuple[str, ...]) -> Iterator[tuple[int, dict, Optional[str]]]:
-    """(row number, record, field that is not valid UTF-8 or None) for every row of one file."""
+def _rows(path: Path, pf: pq.ParquetFile,
+          wanted: tuple[str, ...]) -> Iterator[tuple[int, dict, Optional[tuple[str, str]]]]:
+    """(row number, record, (field, reason) when a value cannot be decoded, or None) for every row of one file."""
     for first, batch in _batches(path, pf, wanted):
         for i, (record, bad) in enumerate(_batch_records(batch)):
             yield first + i, record, bad
 
-
-NOT_UTF8 = "not valid UTF-8"
 
 
 def _describe(err: dict) -> tuple[str, str]:
@@ -266,10 +317,10 @@ class _Loader:
 
     def native(self, path: Path, pf: pq.ParquetFile) -> None:
         source = str(path)
-        for row, rec, not_utf8 in _rows(path, pf, COLUMNS["native"]):
-            if not_utf8:
+        for row, rec, undecodable in _rows(path, pf, COLUMNS["native"]):
+            if undecodable:
                 doc_id = rec.get("doc_id") if isinstance(rec.get("doc_id"), str) else None
-                self.errors.append(RowError(source, row, doc_id, not_utf8, NOT_UTF8))
+                self.errors.append(RowError(source, row, doc_id, *undecodable))
                 continue
             doc, err = _validate(source, row, rec)
             if err:
@@ -281,15 +332,15 @@ class _Loader:
         source = str(path)
         has_answer = "answer" in pf.schema_arrow.names
         groups: dict[str, dict] = {}  # context sha256 -> accumulated document fields, in first-seen order
-        for row, rec, not_utf8 in _rows(path, pf, COLUMNS["kvpress"]):
+        for row, rec, undecodable in _rows(path, pf, COLUMNS["kvpress"]):
             ctx, q, a = rec.get("context"), rec.get("question"), rec.get("answer")
             doc_id = rec.get("doc_id", rec.get("id"))
             if isinstance(doc_id, int) and not isinstance(doc_id, bool):
                 doc_id = str(doc_id)  # kvpress datasets often number their rows
             doc_id = doc_id if isinstance(doc_id, str) and doc_id.strip() else None
             bad = None
-            if not_utf8:
-                bad = (not_utf8, NOT_UTF8)
+            if undecodable:
+                bad = undecodable
             elif ctx is None or (isinstance(ctx, str) and not ctx.strip()):
                 bad = ("context", "missing (null)" if ctx is None else "must not be empty")
             elif not isinstance(ctx, str):

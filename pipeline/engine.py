@@ -15,6 +15,7 @@ wrapped in a task; plain Python calls ``run``.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -23,7 +24,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from pipeline.config import REFERENCE_PRESS, BatchOptions, RunConfig
 from pipeline.documents import Document, RowError, check_input, load_documents
 from pipeline.results import ERROR, OK, DocumentResult
+from pipeline.store import StoreError, StoreWriteError
 
+log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 
 
@@ -130,6 +133,8 @@ def make_configs(base: RunConfig, presses: Sequence[str], compression_ratios: Se
     quant = [{"kv_bits": b, "kv_group_size": g} for b, g in product(kv_bits or (None,), kv_group_sizes or (64,))]
     for press in presses:
         if press == REFERENCE_PRESS:
+            if params:  # refused by the settings, not silently dropped by reference()
+                RunConfig.model_validate({**base.model_dump(), "press": press, "press_params": params})
             out.extend(RunConfig.model_validate({**base.reference().model_dump(), **q}) for q in quant)
             continue
         for size, hb, mode, q in product(sizes, head_budgets, prefills, quant):
@@ -442,11 +447,15 @@ def process_documents(runner, store, plan: Plan, docs: Sequence[Document], *, ho
         outcomes = failed.get(doc.doc_id) or done.get(doc.doc_id, [])
         ref_run = plan.reference_run_id(doc)
         stored = [o for o in outcomes if o.config in todo and plan.run_id(o.config)]
-        store.write_results([
-            (plan.run_id(o.config), o.result,
-             evaluation_rows(plan.run_id(o.config), o.result, o.scores, ref_run) if o.scores else [])
-            for o in stored
-        ])
+        try:
+            store.write_results([
+                (plan.run_id(o.config), o.result,
+                 evaluation_rows(plan.run_id(o.config), o.result, o.scores, ref_run) if o.scores else [])
+                for o in stored
+            ])
+        except StoreWriteError as exc:
+            exc.stored = out  # the documents of this group written before it (the batch counts them)
+            raise
         failure = failure or next((o.result.exception for o in stored if o.result.exception is not None), None)
         out.append(stored)
     if failure is not None and retry_if is not None and retry_if(failure):
@@ -469,6 +478,8 @@ class Summary:
     n_processed: int = 0  # documents that had work left
     n_results: int = 0  # (document, configuration) results stored
     n_failed: int = 0  # of those, not ok
+    n_todo: int = 0  # documents that had work left when the batch started
+    write_error: Optional[str] = None  # the write that stopped the batch (the documents after it were not run)
     input_errors: list[RowError] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     savings: list[dict] = field(default_factory=list)  # memory_savings rows of this batch's runs
@@ -485,6 +496,28 @@ class Summary:
     @property
     def n_ok(self) -> int:
         return self.n_results - self.n_failed
+
+    @property
+    def n_not_stored(self) -> int:
+        """Documents with work left that have no rows from this batch (a write failed)."""
+        return self.n_todo - self.n_processed
+
+    @property
+    def all_done(self) -> bool:
+        """Every valid document is done (now or before) and there was at least one: what exit code 0 means."""
+        return (self.write_error is None and self.n_failed == 0 and self.n_not_stored == 0
+                and self.n_documents > 0)
+
+    def problem(self) -> Optional[str]:
+        """Why the batch did not do everything, in one line (None when it did)."""
+        if self.write_error:
+            return (f"{self.write_error}; the batch stopped: {self.n_processed} of {self.n_todo} documents "
+                    f"stored (kept), {self.n_not_stored} not stored")
+        if self.n_documents == 0:
+            return "no valid document in the input: nothing was done"
+        if self.n_failed:
+            return f"{self.n_failed} of {self.n_results} results did not end ok (their rows say why)"
+        return None
 
 
 SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "prefill", "kv_bits", "n_documents",
@@ -516,28 +549,46 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
     work left."""
     t0 = time.perf_counter()
     docs = plan.todo_docs
-    summary = Summary(str(store.path), plan.runs, n_documents=len(plan.docs), input_errors=plan.errors)
+    summary = Summary(str(store.path), plan.runs, n_documents=len(plan.docs), n_todo=len(docs),
+                      input_errors=plan.errors)
     if hooks.on_start:
         hooks.on_start(plan)
     status = "failed"
+
+    def count(first: int, group, per_doc) -> None:
+        for j, (doc, outcomes) in enumerate(zip(group, per_doc), first):
+            summary.n_processed += 1
+            summary.n_results += len(outcomes)
+            summary.n_failed += sum(o.result.status != OK for o in outcomes)
+            summary.outcomes.extend(outcomes)
+            if hooks.on_document:
+                hooks.on_document(j, len(docs), doc, outcomes)
+
     try:
         if docs and runner is None:
             runner = make_runner(plan.configs[0])
         size = plan.options.batch_size
         for g in range(0, len(docs), size):
             group = docs[g : g + size]
-            per_doc = each(runner, group) if each else process_documents(runner, store, plan, group, hooks=hooks)
-            for j, (doc, outcomes) in enumerate(zip(group, per_doc), g + 1):
-                summary.n_processed += 1
-                summary.n_results += len(outcomes)
-                summary.n_failed += sum(o.result.status != OK for o in outcomes)
-                summary.outcomes.extend(outcomes)
-                if hooks.on_document:
-                    hooks.on_document(j, len(docs), doc, outcomes)
-        status = "completed"
+            try:
+                per_doc = each(runner, group) if each else process_documents(runner, store, plan, group, hooks=hooks)
+            except StoreWriteError as exc:
+                count(g + 1, group, getattr(exc, "stored", []))
+                summary.write_error = str(exc)
+                break
+            count(g + 1, group, per_doc)
+        else:
+            status = "completed"
     finally:
-        close_plan(store, plan, status)
-    summary.savings = savings(store, summary.run_ids)
+        try:
+            close_plan(store, plan, status)
+        except StoreError as exc:
+            if status == "completed":
+                raise
+            # the store that failed a write may refuse this one too: the next writer marks the runs interrupted
+            log.warning("could not close the runs as %s (%s)", status, exc)
+    if summary.write_error is None:
+        summary.savings = savings(store, summary.run_ids)
     summary.wall_s = time.perf_counter() - t0
     return summary
 

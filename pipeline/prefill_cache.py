@@ -6,6 +6,9 @@ context token ids (document, prompt template, truncation) and the prefill chunki
 the model's dtype through mlx-lm's prompt-cache files, so answers from a loaded entry are identical to
 answers from a fresh prefill. Entries are evicted least recently used beyond a size cap. An entry that
 cannot be read or does not match is ignored with a warning and recomputed.
+
+The folder may hold other files (a user can point it at any folder): the cache reads, counts and deletes
+only files named like its own entries (``nkv-prefill-<sha256>.safetensors``), never any other file.
 """
 
 from __future__ import annotations
@@ -13,14 +16,40 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+PREFIX = "nkv-prefill-"
+ENTRY = re.compile(rf"{re.escape(PREFIX)}[0-9a-f]{{64}}{re.escape(SUFFIX)}")
+PARTIAL = ".nkv-prefill-partial"  # mlx appends .safetensors to any other name: partial files live here
 FORMAT = 1  # bump when the entry layout changes
+
+
+class PrefillCacheError(ValueError):
+    """The folder or the size cap cannot be used (checked before any work)."""
+
+
+def check_cap(max_gb: float) -> float:
+    if not (isinstance(max_gb, (int, float)) and math.isfinite(max_gb) and max_gb > 0):
+        raise PrefillCacheError(f"the size cap must be a positive finite number of GiB, got {max_gb!r}")
+    return max_gb
+
+
+def check_folder(folder: str) -> Path:
+    """The cache folder, ``~`` expanded, or ``PrefillCacheError``: a path that is (or lies under) a file, or
+    a folder (or its nearest existing parent) that cannot be written. Creates nothing."""
+    from pipeline.paths import unwritable
+
+    why = unwritable(folder)
+    if why:
+        raise PrefillCacheError(f"{folder}: {why}")
+    return Path(folder).expanduser()
 
 
 def model_identity(model_ref: str) -> str:
@@ -38,8 +67,8 @@ class PrefillCache:
     """``get``/``put`` uncompressed caches under a folder, at most ``max_gb`` on disk."""
 
     def __init__(self, folder: str, max_gb: float = 20.0):
-        self.folder = Path(folder).expanduser()
-        self.max_bytes = int(max_gb * 2**30)
+        self.folder = check_folder(folder)
+        self.max_bytes = int(check_cap(max_gb) * 2**30)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._models: dict[str, str] = {}
 
@@ -53,7 +82,11 @@ class PrefillCache:
         return h.hexdigest()
 
     def _path(self, key: str) -> Path:
-        return self.folder / f"{key}{SUFFIX}"
+        return self.folder / f"{PREFIX}{key}{SUFFIX}"
+
+    def entries(self) -> list[Path]:
+        """The cache's own entries in the folder (every other file is the user's)."""
+        return [p for p in self.folder.iterdir() if ENTRY.fullmatch(p.name) and p.is_file()]
 
     def get(self, key: str, n_tokens: int) -> Optional[list]:
         """The cache stored under ``key``, or None (missing, unreadable, or not ``n_tokens`` positions)."""
@@ -77,9 +110,8 @@ class PrefillCache:
         """Store ``cache`` (written to a temporary file, then renamed: readers never see half a file)."""
         from mlx_lm.models.cache import save_prompt_cache
 
-        # mlx appends .safetensors to any other name, so the partial file lives in a folder of its own.
-        (self.folder / "partial").mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.folder / "partial", suffix=SUFFIX)
+        (self.folder / PARTIAL).mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder / PARTIAL, suffix=SUFFIX)
         os.close(fd)
         try:
             save_prompt_cache(tmp, cache, {"key": key})
@@ -91,10 +123,16 @@ class PrefillCache:
 
     def evict(self) -> None:
         """Drop least recently used entries until the folder is within its cap."""
-        entries = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in entries)
-        for p in entries:
+        sized = []
+        for p in self.entries():
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # another process sharing the folder evicted it
+                continue
+            sized.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in sized)
+        for _, size, p in sorted(sized):
             if total <= self.max_bytes:
                 break
-            total -= p.stat().st_size
+            total -= size
             p.unlink(missing_ok=True)

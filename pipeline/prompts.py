@@ -28,16 +28,26 @@ def question_text(config, question: str | None) -> str:
     return config.qa_instruction.replace("{question}", question)
 
 
+def split_marker(*texts: str) -> str:
+    """The cut marker, lengthened until none of ``texts`` holds it: a document quoting it must not move
+    its own tail into the uncompressed question."""
+    marker = _SPLIT
+    while any(marker in t for t in texts):
+        marker += "\u241e"
+    return marker
+
+
 def build_prompt(tokenizer, document: str, instruction: str) -> PromptParts:
     """Render the model's chat template around the document and the instruction, then split."""
-    content = f"{document}\n\n{_SPLIT}{instruction}"
+    marker = split_marker(document, instruction)
+    content = f"{document}\n\n{marker}{instruction}"
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
     else:
         rendered = f"Document:\n{content}\nAnswer:"
-    head, sep, tail = rendered.partition(_SPLIT)
+    head, sep, tail = rendered.partition(marker)
     if not sep:
         raise ValueError("the chat template dropped the prompt text; cannot split context and question")
     return PromptParts(context=head, question=tail)

@@ -119,10 +119,12 @@ class Runner:
         need = len(prepared.context_ids) + longest_q + self.config.max_new_tokens
         if need <= self.max_context:
             return None
+        # With --truncate, the context was already cut: only the question and the answer can be too long.
+        hint = ("the question and the answer alone leave no room for the context: shorten the question or lower "
+                "--max-new-tokens" if self.config.truncate else "pass --truncate to cut the middle of the document")
         return (
             f"context {len(prepared.context_ids)} + question {longest_q} + max_new_tokens "
-            f"{self.config.max_new_tokens} = {need} tokens exceeds the model window of {self.max_context}; "
-            "pass --truncate to cut the middle of the document"
+            f"{self.config.max_new_tokens} = {need} tokens exceeds the model window of {self.max_context}; {hint}"
         )
 
     # -- one document -----------------------------------------------------------------------

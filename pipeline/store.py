@@ -19,9 +19,10 @@ import secrets
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import duckdb
 import pyarrow as pa
@@ -197,6 +198,11 @@ SANDBOX = {
 READ_ONLY_STATEMENTS = frozenset({duckdb.StatementType.SELECT})
 
 _LOCK_BACKOFF_S = (0.1, 5.0)  # first pause, longest pause between tries of a held lock
+# A batch writing a DuckDB file opens it only for each transaction, so readers get in between documents.
+# Between them, readers may hold the file: the writer waits for them (a query stops at its --timeout).
+REOPEN_WAIT_S = 600.0
+REOPEN_BACKOFF_S = (0.02, 0.5)
+READER_WAIT_S = 10.0  # how long ``nkv query`` waits for a batch's transaction to end (milliseconds, usually)
 # A lake transaction that lost a commit race to another writer is re-run: first pause, longest pause, tries.
 _COMMIT_RETRY = (0.05, 2.0, 30)
 
@@ -208,6 +214,11 @@ EVALUATION_MATCH = ("e.run_id = n.run_id AND e.doc_id = n.doc_id AND e.metric = 
 
 class StoreError(RuntimeError):
     """A store problem a user can act on; the message is one line naming the file."""
+
+
+class StoreWriteError(StoreError):
+    """A write failed (disk full, a table that no longer takes our rows): a batch stops at once, since the
+    next document's write would fail the same way; what was committed before stays."""
 
 
 class StoreLockedError(StoreError):
@@ -345,16 +356,24 @@ class Store:
         self.interrupted_runs: list[str] = []
         self.commit_retries = 0
         self._lock = threading.RLock()  # one DuckDB connection is not safe to share across threads
+        self._con = None
+        self._depth = 0  # nested uses of the connection (``_session``)
+        self._between = False  # close the connection between uses (a writer on a DuckDB file)
+        self._writer_fd: Optional[int] = None  # holds the batch's writer lock (``_take_writer_lock``)
+        self._lock_created = False
         try:
             self.lake = lake.LakeSpec.parse(str(path)) if lake.is_lake(path) else None
         except lake.LakeSetupError as e:
             raise StoreError(str(e)) from None
         if self.lake is not None:
             self.path = str(self.lake)
-            self.con = self._connect_lake(data_path)
+            self._con = self._connect_lake(data_path)
             self._set_up(created=False)
             return
-        self.path = Path(path)
+        if str(path).strip().startswith(":memory:"):
+            raise StoreError(f"{path}: an in-memory database would lose every result when the command ends; "
+                             "give a file (--db runs.duckdb)")
+        self.path = Path(path).expanduser()
         if read_only and not self.path.exists():
             raise StoreError(f"{self.path}: no such database file")
         self._made_dirs: list[Path] = []
@@ -368,13 +387,41 @@ class Store:
                 ) from None
         created = not self.path.exists()
         try:
-            self.con = self._connect(wait_s, on_wait)
+            self._con = self._connect(wait_s, on_wait, writer_lock=not read_only)
         except StoreLockedError:
             raise  # the file is someone else's now
         except StoreError:
             self._remove_if(created)
             raise
         self._set_up(created)
+        if not read_only:  # from now on the file is opened for each transaction only
+            self._between = True
+            self._release()
+
+    @property
+    def con(self):
+        """The DuckDB connection, opened again when a writer released it between transactions."""
+        if self._con is None:
+            self._con = self._connect(REOPEN_WAIT_S, None, backoff=REOPEN_BACKOFF_S)
+        return self._con
+
+    @contextmanager
+    def _session(self):
+        """One use of the connection (a transaction, a query); a writer on a DuckDB file closes it after
+        the outermost use, so readers can open the file between documents."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield self.con
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._release()
+
+    def _release(self) -> None:
+        if self._between and self._con is not None:
+            con, self._con = self._con, None
+            con.close()
 
     def _set_up(self, created: bool) -> None:
         try:
@@ -382,7 +429,8 @@ class Store:
             if not self.read_only:
                 self._read(self._mark_interrupted_runs)
         except BaseException as e:
-            self.con.close()
+            self._con.close()
+            self._drop_writer_lock(remove=self._lock_created)  # a refused file gets nothing beside it
             self._remove_if(created)
             if isinstance(e, duckdb.Error):
                 raise StoreError(f"{self.path}: cannot set up the store ({_one_line(e)})") from None
@@ -413,28 +461,68 @@ class Store:
         except duckdb.Error as e:
             raise StoreError(f"{self.path}: cannot open the lake ({_one_line(e)})") from None
 
-    def _connect(self, wait_s: float, on_wait: Optional[Callable[[float, float], None]]):
+    def _connect(self, wait_s: float, on_wait: Optional[Callable[[float, float], None]],
+                 backoff: tuple[float, float] = _LOCK_BACKOFF_S, writer_lock: bool = False):
+        """Open the file, retrying while another process holds it; ``writer_lock``: also take the batch's
+        writer lock (``_take_writer_lock``), so that a second batch is refused even between transactions."""
         start = time.monotonic()
-        pause = _LOCK_BACKOFF_S[0]
+        pause = backoff[0]
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=self.read_only,
-                                      config=SANDBOX if self.read_only else {})
+                con = duckdb.connect(str(self.path), read_only=self.read_only,
+                                     config=SANDBOX if self.read_only else {})
+                try:
+                    locked = not writer_lock or self._take_writer_lock()
+                except BaseException:
+                    con.close()
+                    raise
+                if locked:
+                    return con
+                con.close()  # another batch writes it: let it have the file while we wait
+                held_by = "another process holds this database (an nkv batch is writing it)"
             except duckdb.Error as e:
-                waited = time.monotonic() - start
                 if not _is_lock_error(e):
                     raise StoreError(f"{self.path}: cannot open database ({_one_line(e)})") from None
-                if waited >= wait_s:
-                    after = f" after waiting {waited:.0f}s" if wait_s > 0 else ""
-                    raise StoreLockedError(
-                        f"{self.path}: another process holds this database (DuckDB allows one writer){after}; "
-                        "wait for it to finish or stop it"
-                    ) from None
+                held_by = "another process holds this database (DuckDB allows one writer)"
+            waited = time.monotonic() - start
+            if waited >= wait_s:
+                after = f" after waiting {waited:.0f}s" if wait_s > 0 else ""
+                raise StoreLockedError(f"{self.path}: {held_by}{after}; wait for it to finish or stop it")
             log.info("%s: held by another process; waited %.1fs of %.0fs", self.path, waited, wait_s)
             if on_wait is not None:
                 on_wait(waited, wait_s)
             time.sleep(min(pause, max(wait_s - waited, 0.0)))
-            pause = min(pause * 2, _LOCK_BACKOFF_S[1])
+            pause = min(pause * 2, backoff[1])
+
+    def _lock_path(self) -> Path:
+        return Path(f"{self.path}.lock")
+
+    def _take_writer_lock(self) -> bool:
+        """An exclusive lock on ``<store>.lock`` for as long as this store is open for writing (False when
+        another batch holds it). DuckDB's own lock lasts one transaction only, once the store is open."""
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): DuckDB's per-transaction lock is all there is
+            return True
+        self._lock_created = not self._lock_path().exists()
+        try:
+            fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot open database (its lock file: {e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False  # (the file is the other batch's: never removed here)
+        self._writer_fd = fd
+        return True
+
+    def _drop_writer_lock(self, remove: bool = False) -> None:
+        if self._writer_fd is not None:
+            if remove:  # a store this open created and could not set up leaves nothing behind
+                self._lock_path().unlink(missing_ok=True)
+            os.close(self._writer_fd)  # closing releases the flock
+            self._writer_fd = None
 
     def _check_schema(self) -> None:
         """Refuse a file that is not ours before writing anything; create or migrate ours."""
@@ -491,7 +579,10 @@ class Store:
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
-            self.con.close()
+            if self._con is not None:
+                self._con.close()
+                self._con = None
+            self._drop_writer_lock()
         if self.commit_retries:  # routine one by one (logged at info), worth one line when the store closes
             log.warning("%s: %d commits lost a race with another writer and were retried (nothing lost)",
                         self.path, self.commit_retries)
@@ -506,10 +597,10 @@ class Store:
         if self.read_only:
             raise StoreError(f"{self.path}: store is open read-only; writes are refused")
 
-    def _store_error(self, e: BaseException) -> StoreError:
+    def _store_error(self, e: BaseException) -> StoreWriteError:
         """One line naming the file for a failed write (disk full, a value its column cannot hold, ...)."""
         msg = _one_line(e)
-        return StoreError(msg if msg.startswith(f"{self.path}:") else f"{self.path}: write failed: {msg}")
+        return StoreWriteError(msg if msg.startswith(f"{self.path}:") else f"{self.path}: write failed: {msg}")
 
     # -- runs -------------------------------------------------------------------------------------
     def start_run(self, config: RunConfig, input: str) -> str:
@@ -554,7 +645,7 @@ class Store:
     def done_documents(self, config: RunConfig) -> set[tuple[str, str]]:
         """(doc_id, content_sha256) of documents answered ok (every question) under this exact configuration,
         in any run. Resume skips by this pair: the same text under a new doc_id still gets its own rows."""
-        with self._lock:
+        with self._session():
             rows = self._read(lambda: self.con.execute(
                 """
                 SELECT DISTINCT o.doc_id, o.content_sha256 FROM outputs o JOIN runs r ON r.run_id = o.run_id
@@ -586,7 +677,8 @@ class Store:
         with self._lock:
             for attempt in range(tries):
                 try:
-                    self._one_transaction(work)
+                    with self._session():
+                        self._one_transaction(work)
                     return
                 except (StoreError, duckdb.Error) as e:
                     if self.lake is None or attempt == tries - 1 or not lake.is_retryable(e):
@@ -754,19 +846,58 @@ class Store:
         of it runs. The connection is sandboxed as well (``SANDBOX``): such a SELECT can read the store and
         nothing else (no other files, no extensions, no settings changes).
         """
-        if self.read_only:
-            self._check_read_only_sql(sql)
         def run() -> pa.Table:
             rel = self.con.sql(sql, params=params)
             if rel is None:  # statements without a result on older DuckDB
                 return pa.table({})
             return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
 
-        try:
-            with self._lock:
+        with self._session():
+            if self.read_only:
+                self._check_read_only_sql(sql)
+            try:
                 return self._read(run)
-        except duckdb.Error as e:
-            msg = _one_line(e)
-            if self.read_only and "read-only" in msg:
-                raise StoreError(f"{self.path}: store is open read-only; this statement writes ({msg})") from None
-            raise StoreError(f"{self.path}: query failed: {msg}") from None
+            except duckdb.Error as e:
+                raise self._query_error(e) from None
+
+    def stream(self, sql: str, rows_per_batch: int = 2048) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """``query`` as record batches, fetched as they are read, so a large result is never held whole.
+        ``interrupt`` (from another thread) stops it; errors while reading are ``StoreError`` too."""
+        def start():
+            res = self.con.execute(sql)
+            return res.to_arrow_reader(rows_per_batch) if hasattr(res, "to_arrow_reader") \
+                else res.fetch_record_batch(rows_per_batch)
+
+        session = self._session()  # held until the last batch is read (the caller's thread throughout)
+        session.__enter__()
+        try:
+            if self.read_only:
+                self._check_read_only_sql(sql)
+            reader = self._read(start)
+        except BaseException as e:
+            session.__exit__(None, None, None)
+            if isinstance(e, duckdb.Error):
+                raise self._query_error(e) from None
+            raise
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            try:
+                yield from reader
+            except (duckdb.Error, pa.ArrowException) as e:
+                raise self._query_error(e) from None
+            finally:
+                session.__exit__(None, None, None)
+
+        return reader.schema, batches()
+
+    def interrupt(self) -> None:
+        """Stop the statement running on this store's connection (safe from any thread)."""
+        con = self._con
+        if con is not None:
+            con.interrupt()
+
+    def _query_error(self, e: BaseException) -> StoreError:
+        msg = _one_line(e)
+        if self.read_only and "read-only" in msg:
+            return StoreError(f"{self.path}: store is open read-only; this statement writes ({msg})")
+        return StoreError(f"{self.path}: query failed: {msg}")

@@ -284,3 +284,98 @@ def test_invalid_utf8_in_a_kvpress_column_is_a_bad_row(tmp_path, column):
     assert [(e.row, e.field, e.message) for e in errors] == [(1, column, "not valid UTF-8")]
     assert errors[0].doc_id == (None if column == "id" else "k1")
     assert [(d.doc_id, d.questions) for d in docs] == [("k1", ["q1"]), ("k2", ["q3"])]
+
+
+def _dictionary(values):
+    return pa.DictionaryArray.from_arrays(pa.array(range(len(values)), pa.int32()), raw_strings(values))
+
+
+LAYOUTS = {  # every Arrow layout a Parquet string column can come back in
+    "string": raw_strings,
+    "large_string": lambda v: raw_strings(v, large=True),
+    "string_view": lambda v: raw_strings(v).cast(pa.string_view()),
+    "dictionary": _dictionary,
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("column", ["text", "doc_id", "title"])
+def test_invalid_utf8_in_every_string_layout_is_a_bad_row(tmp_path, layout, column):
+    cols = {"doc_id": [b"d0", b"d1", b"d2"], "text": [b"zero", b"one", b"two"], "title": [b"T0", b"T1", b"T2"]}
+    cols[column][1] = BAD_UTF8[0]
+    f = tmp_path / "l.parquet"
+    pq.write_table(pa.table({k: LAYOUTS[layout](v) if k == column else raw_strings(v) for k, v in cols.items()}), f)
+    read_back = pq.read_schema(f).field(column).type
+    assert read_back == LAYOUTS[layout]([b"x"]).type  # the layout survives the file, so the loader meets it
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0", "d2"] and docs[1].text == "two" and docs[1].title == "T2"
+    assert errors == [RowError(str(f), 1, None if column == "doc_id" else "d1", column, "not valid UTF-8")]
+
+
+def test_invalid_utf8_in_a_later_chunk_names_its_row(tmp_path, monkeypatch):
+    """Row groups of one row each, read in batches smaller than the file: the row number counts across them."""
+    import pipeline.documents as documents
+
+    monkeypatch.setattr(documents, "BATCH_ROWS", 2)
+    texts = [b"t%d" % i for i in range(5)]
+    texts[3] = BAD_UTF8[1]
+    table = pa.table({"doc_id": [f"d{i}" for i in range(5)],
+                      "text": pa.chunked_array([_dictionary(texts[:2]), _dictionary(texts[2:])])})
+    f = tmp_path / "c.parquet"
+    pq.write_table(table, f, row_group_size=1)
+    assert pq.ParquetFile(f).num_row_groups == 5
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0", "d1", "d2", "d4"]
+    assert errors == [RowError(str(f), 3, "d3", "text", "not valid UTF-8")]
+
+
+def test_dictionary_encoded_questions_with_invalid_utf8(tmp_path):
+    flat = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0, 2], pa.int32()), raw_strings([b"q?", b"r?", b"\xfe"]))
+    questions = pa.ListArray.from_arrays(pa.array([0, 2, 4], pa.int32()), flat)
+    f = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"doc_id": ["d0", "d1"], "text": ["zero", "one"], "questions": questions}), f)
+    docs, errors = load_documents(f)
+    assert [(d.doc_id, d.questions) for d in docs] == [("d0", ["q?", "r?"])]
+    assert errors == [RowError(str(f), 1, "d1", "questions.1", "not valid UTF-8")]
+
+
+def test_a_value_arrow_cannot_convert_is_a_bad_row_not_a_crash():
+    from pipeline.documents import _batch_records
+
+    # list views cannot be cast to bytes: their values go one by one, and the bad one is named
+    questions = pa.ListViewArray.from_arrays(pa.array([0, 1], pa.int32()), pa.array([1, 1], pa.int32()),
+                                             raw_strings([b"q?", b"\xff"]))
+    batch = pa.record_batch({"doc_id": ["d0", "d1"], "text": ["zero", "one"], "questions": questions})
+    (rec0, bad0), (rec1, bad1) = _batch_records(batch)
+    assert rec0["questions"] == ["q?"] and bad0 is None
+    assert bad1[0] == "questions" and "cannot be read" in bad1[1] and rec1["doc_id"] == "d1"
+
+
+@pytest.mark.parametrize("text", ["\u200b\u200c\u2060", "\ufeff", "\x01\x02\x7f", " \u200b\n\ufeff\t"])
+def test_a_text_of_only_invisible_characters_is_a_bad_row(tmp_path, text):
+    f = write(tmp_path / "a.parquet", {"doc_id": ["d0", "d1"], "text": ["Visible text.", text]})
+    docs, errors = load_documents(f)
+    assert [d.doc_id for d in docs] == ["d0"]
+    assert [(e.row, e.field) for e in errors] == [(1, "text")] and "must not be empty" in errors[0].message
+
+
+def test_visible_text_with_invisible_characters_is_kept(tmp_path):
+    f = write(tmp_path / "a.parquet", {"doc_id": ["d0"], "text": ["\ufeffA\u200b"]})
+    docs, errors = load_documents(f)
+    assert errors == [] and docs[0].text == "\ufeffA\u200b"  # kept as given: the content hash is of the input
+
+
+def test_a_fifo_is_refused_without_reading_it(tmp_path):
+    import os
+
+    fifo = tmp_path / "x.parquet"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        check_input(fifo)
+
+
+def test_a_path_with_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path / "a.parquet", {"doc_id": ["d0"], "text": ["Text."]})
+    docs, errors = load_documents("~/a.parquet")
+    assert [d.doc_id for d in docs] == ["d0"] and errors == []

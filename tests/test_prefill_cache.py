@@ -32,7 +32,7 @@ def test_a_new_budget_reuses_the_prefill_and_answers_the_same(setup):
     cached = EngineOptions(prefill_cache=str(tmp / "pc"))
     first = make_configs(base, ["keydiff"], [0.5])
     engine.run(batch, first, tmp / "a.duckdb", cached)
-    assert len(prefills) == 2 and len(list((tmp / "pc").glob("*.safetensors"))) == 2
+    assert len(prefills) == 2 and len(list((tmp / "pc").glob("nkv-prefill-*.safetensors"))) == 2
     prefills.clear()
     second = make_configs(base, ["nestedkv", "knorm"], [0.75])
     summary = engine.run(batch, second, tmp / "a.duckdb", cached)
@@ -49,7 +49,7 @@ def test_a_damaged_entry_is_recomputed_with_a_warning(setup, caplog):
     cached = EngineOptions(prefill_cache=str(tmp / "pc"))
     cfg = make_configs(base, ["keydiff"], [0.5])
     engine.run(batch, cfg, tmp / "a.duckdb", cached)
-    for p in (tmp / "pc").glob("*.safetensors"):
+    for p in (tmp / "pc").glob("nkv-prefill-*.safetensors"):
         p.write_bytes(p.read_bytes()[:100])
     prefills.clear()
     with caplog.at_level(logging.WARNING):
@@ -73,7 +73,55 @@ def test_keys_and_the_size_cap(tmp_path):
     cache = make_cache(model)
     model(mx.array([[5, 6, 7, 8]]), cache=cache)
     store.put(k, cache)
-    assert list((tmp_path / "pc").glob("*.safetensors")) == []  # over the cap: evicted at once
+    assert list((tmp_path / "pc").glob("nkv-prefill-*.safetensors")) == []  # over the cap: evicted at once
     big = PrefillCache(str(tmp_path / "pc2"))
     big.put(k, cache)
     assert big.get(k, 4) is not None and big.get(k, 5) is None  # a length mismatch is not served
+
+
+def test_eviction_and_damage_touch_only_the_caches_own_files(tmp_path):
+    import os
+
+    import mlx.core as mx
+
+    from nestedkv import make_cache
+    from tiny import tiny_model
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"w" * 4096)
+    look_alike = folder / f"{'0' * 64}.safetensors"  # the name an entry had before entries were prefixed
+    look_alike.write_bytes(b"x" * 4096)
+    for p in (weights, look_alike):
+        os.utime(p, (1, 1))  # older than any entry: first in line if eviction looked at them
+    model = tiny_model()
+    cache = make_cache(model)
+    model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    store = PrefillCache(str(folder), max_gb=1e-9)
+    store.put("a" * 64, cache)
+    assert store.entries() == []  # its own entry went over the cap
+    assert weights.read_bytes() == b"w" * 4096 and look_alike.read_bytes() == b"x" * 4096
+    assert store.get("0" * 64, 4) is None and look_alike.exists()  # never read as an entry either
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda tmp: (tmp / "f").write_bytes(b"x") and tmp / "f", "not a folder"),
+    (lambda tmp: (tmp / "f").write_bytes(b"x") and tmp / "f" / "sub", "not a folder"),
+    (lambda tmp: __import__("pathlib").Path("/proc/nkv-cache"), "cannot write"),
+])
+def test_an_unusable_folder_is_refused_before_anything_is_created(tmp_path, make, words):
+    from pipeline.prefill_cache import PrefillCacheError, check_folder
+
+    path = make(tmp_path)
+    with pytest.raises(PrefillCacheError, match=words):
+        check_folder(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["f"])
+
+
+@pytest.mark.parametrize("gb", [float("inf"), float("nan"), 0.0, -1.0])
+def test_the_cap_is_a_positive_finite_size(gb):
+    from pipeline.prefill_cache import PrefillCacheError, check_cap
+
+    with pytest.raises(PrefillCacheError):
+        check_cap(gb)

@@ -8,6 +8,7 @@ real command in a subprocess (tests/slow_cli.py) on a tiny model directory.
 """
 
 import hashlib
+import json
 import logging
 import os
 import resource
@@ -71,6 +72,28 @@ def not_utf8_batch(column: str, bad: bytes):
             arr = raw_strings(values)
         table = table.set_column(table.schema.get_field_index(column), column, arr)
         pq.write_table(table, ctx.tmp / "batch.parquet")
+    return setup
+
+
+STRING_LAYOUTS = {  # the Arrow layouts a Parquet text column comes back in
+    "large_string": lambda a: a.cast(pa.large_string()),
+    "string_view": lambda a: a.cast(pa.string_view()),
+    "dictionary": lambda a: pa.DictionaryArray.from_arrays(pa.array(range(len(a)), pa.int32()), a),
+    "chunked": lambda a: pa.chunked_array([STRING_LAYOUTS["dictionary"](a[:2]), STRING_LAYOUTS["dictionary"](a[2:])]),
+}
+
+
+def not_utf8_layout(layout: str):
+    """Three documents, the third's text not UTF-8, the text column in ``layout`` (chunked: dictionary
+    chunks, one row group per row)."""
+    def setup(ctx):
+        rows = docs(3)
+        values = [d["text"].encode() for d in rows]
+        values[2] = b"\xff\xfe and text"
+        table = pq.read_table(write_batch(ctx.tmp / "ok.parquet", rows))
+        column = STRING_LAYOUTS[layout](raw_strings(values))
+        table = table.set_column(table.schema.get_field_index("text"), "text", column)
+        pq.write_table(table, ctx.tmp / "batch.parquet", row_group_size=1 if layout == "chunked" else None)
     return setup
 
 
@@ -147,6 +170,83 @@ def full_disk(existing: bool):
     return setup
 
 
+def foreign_weights(ctx):
+    """A models folder: weights older than any cache entry, first in line for a least-recently-used sweep."""
+    save_tiny_model_dir(ctx.tmp / "tiny")  # the cache keys entries by the model's files: a real folder
+    folder = ctx.tmp / "models"
+    folder.mkdir()
+    for name in ("model.safetensors", f"{'0' * 64}.safetensors"):
+        (folder / name).write_bytes(os.urandom(20000))
+        os.utime(folder / name, (time.time() - 3600,) * 2)
+        ctx.snapshot(folder / name)
+
+
+def foreign_weights_intact(ctx, res):
+    ctx.unchanged()
+    left = sorted(p.name for p in (ctx.tmp / "models").iterdir() if p.is_file())
+    assert left == [f"{'0' * 64}.safetensors", "model.safetensors"], left  # the entries over the cap went
+
+
+def disk_fills_after(n_writes: int):
+    """Three documents; after ``n_writes`` document writes no store file may grow (RLIMIT_FSIZE at their
+    size: writes fail as on a disk that just filled up)."""
+    def setup(ctx):
+        write_batch(ctx.tmp / "batch.parquet", docs(3))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        ctx.cleanup.append(lambda: (resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)),
+                                    signal.signal(signal.SIGXFSZ, handler)))
+        real, calls = Store.write_results, [0]
+
+        def write_results(self, items):
+            if calls[0] == n_writes:
+                wal = ctx.db.with_name(ctx.db.name + ".wal")  # the next commit appends to it
+                resource.setrlimit(resource.RLIMIT_FSIZE, (wal.stat().st_size if wal.exists() else 0, hard))
+            calls[0] += 1
+            return real(self, items)
+
+        ctx.monkeypatch.setattr(Store, "write_results", write_results)
+    return setup
+
+
+def every_write_fails(ctx):
+    """A store whose outputs table was altered so that no document's rows fit it any more."""
+    a_store(ctx)
+    con = duckdb.connect(str(ctx.db))
+    con.execute("ALTER TABLE outputs ALTER COLUMN doc_id SET DATA TYPE INTEGER")
+    con.close()
+
+
+def home_in_tmp(ctx) -> None:
+    """HOME is the row's folder and so is the working directory: a '~' taken literally would show as ./~."""
+    ctx.monkeypatch.setenv("HOME", str(ctx.tmp))
+    ctx.monkeypatch.chdir(ctx.tmp)
+    ctx.db = ctx.tmp / "stores" / "x.duckdb"
+
+
+SPLIT_TEXT = "A document that quotes the prompt's cut marker \u241eNKV-QUESTION\u241e and goes on after it."
+
+
+def _context_holds_all_of(doc_id: str, text: str, ctx) -> None:
+    """The whole document went into the compressed context: its token count is the whole text's bytes
+    (the byte tokenizer) plus the template, more than the text alone."""
+    (n,) = [r["n_tokens"] for r in rows(ctx.db, f"SELECT n_tokens FROM outputs WHERE doc_id = '{doc_id}'")]
+    assert n > len(text.encode()), n
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stored_doc_ids(ctx) -> set[str]:
+    return {r["doc_id"] for r in rows(ctx.db, "SELECT DISTINCT doc_id FROM outputs")}
+
+
 HOLD = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
 
 
@@ -174,13 +274,13 @@ def held(release_after: Optional[float] = None, make_store: bool = True):
 class Case:
     id: str
     args: list[str]
-    code: int = 2
-    words: tuple[str, ...] = ()  # in the one error line (or, when code is 0, somewhere in stderr)
+    code: int = 2  # 2: refused before any work; 1: the batch ran but did not do everything; 0: it did
+    words: tuple[str, ...] = ()  # in the one error line (or, when code is 0 or 1, somewhere in stderr)
     setup: Optional[Callable] = None
-    runs: tuple[str, ...] = ("completed",)  # run statuses afterwards (when code is 0)
+    runs: tuple[str, ...] = ("completed",)  # run statuses afterwards (when code is 0 or 1)
     bad_rows: int = 0  # input_errors rows of the run
     bad_field: Optional[str] = None
-    done: tuple[str, ...] = GOOD  # doc_ids with every output ok (when code is 0)
+    done: tuple[str, ...] = GOOD  # doc_ids with every output ok (when code is 0 or 1)
     check: Optional[Callable] = None  # (ctx, result) -> None: what else must hold
     xfail: Optional[str] = None
 
@@ -191,6 +291,11 @@ def error(id, args, *words, **kw) -> Case:
 
 def ok(id, args=RUN, *words, **kw) -> Case:
     return Case(id, args, 0, words, **kw)
+
+
+def not_done(id, args, *words, **kw) -> Case:
+    """The batch ran but not every document was done: exit 1, the last line says why."""
+    return Case(id, args, 1, words, **kw)
 
 
 def no_file(name: str) -> Callable:
@@ -209,6 +314,40 @@ def tables_of(path) -> set[str]:
 
 def query(sql: str, *words: str, check=None, setup=a_store) -> Case:
     return error(f"query-{sql[:40]}", ["query", sql, "--db", "{db}"], *words, setup=setup, check=check)
+
+
+EVERY_TYPE = ("SELECT 1 AS a, 2 AS a, [1, 2] AS l, {'x': 1} AS s, MAP {1: 2} AS m, INTERVAL 1 MONTH AS i, "
+              "1.5 AS d, 'infinity'::DATE AS inf_date, '294247-01-01'::DATE AS far, 'infinity'::TIMESTAMP AS inf_ts, "
+              "'2020-01-01 10:00'::TIMESTAMPTZ AS tz, TIMETZ '1:02:03+05' AS ttz, 1::HUGEINT AS h, "
+              "'a'::ENUM('a', 'b') AS e, union_value(k := 1) AS u, '0101'::BIT AS b, '\\xAA\\x00'::BLOB AS bl, "
+              "'nan'::DOUBLE AS n, 'inf'::DOUBLE AS inf, 12345678901234567890123::VARINT AS big, "
+              "gen_random_uuid() AS id, NULL AS nothing, [NULL, 'a' || chr(7)] AS nul_list")
+
+
+def strict_json(text: str):
+    """JSON as RFC 8259 has it: Python's parser would take NaN and Infinity, which are not JSON."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def parses_as(fmt: str):
+    """The output is valid for its format's parser and holds one row of every column (names included)."""
+    def check(ctx, res):
+        names = ["a", "a", "l", "s", "m", "i", "d", "inf_date", "far", "inf_ts", "tz", "ttz", "h", "e", "u", "b",
+                 "bl", "n", "inf", "big", "id", "nothing", "nul_list"]
+        if fmt == "csv":
+            import csv
+            import io
+
+            got = list(csv.reader(io.StringIO(res.stdout)))
+            assert got[0] == names and len(got) == 2 and len(got[1]) == len(names), got
+        elif fmt == "json":
+            got = strict_json(res.stdout)
+            assert len(got) == 1 and len(got[0]) == len(names) and got[0]["n"] == "NaN", got
+        else:  # a table as wide as this one is cut at the terminal's width: its first columns are checked
+            assert "│ 1 │ 2 │ [1, 2] │" in res.stdout and "<value out of range:" in res.stdout, res.stdout
+    return check
 
 
 CASES = [
@@ -232,6 +371,8 @@ CASES = [
     error("input-folder-with-one-bad-file", RUN, "not a readable Parquet file",
           setup=lambda ctx: (batch()(ctx), (ctx.tmp / "z.parquet").write_bytes(b"PAR1 nope PAR1"),
                              setattr(ctx, "input", str(ctx.tmp)))),
+    error("input-fifo", RUN, "not a regular file", setup=lambda ctx: (os.mkfifo(ctx.tmp / "x.parquet"),
+                                                                      setattr(ctx, "input", str(ctx.tmp / "x.parquet")))),
     error("sweep-input-missing", ["sweep", "--input", "{tmp}/missing.parquet", "--model", TINY_NAME, "--db", "{db}"],
           "no such file"),
     error("eval-input-missing", ["eval", "--input", "{tmp}/missing.parquet", "--model", TINY_NAME, "--db", "{db}"],
@@ -242,6 +383,10 @@ CASES = [
        bad_rows=1, bad_field="text"),
     ok("row-text-blank", RUN, "must not be empty", setup=batch({"doc_id": "doc-x", "text": "  \n "}),
        bad_rows=1, bad_field="text"),
+    ok("row-text-zero-width-only", RUN, "invisible or control characters",
+       setup=batch({"doc_id": "doc-x", "text": "\u200b\u2060\ufeff"}), bad_rows=1, bad_field="text"),
+    ok("row-text-control-only", RUN, "invisible or control characters",
+       setup=batch({"doc_id": "doc-x", "text": "\x01\x02\x1b"}), bad_rows=1, bad_field="text"),
     ok("row-doc_id-null", RUN, "doc_id: missing", setup=batch({"doc_id": None, "text": "some text"}),
        bad_rows=1, bad_field="doc_id"),
     ok("row-doc_id-blank", RUN, "must not be empty", setup=batch({"doc_id": " ", "text": "some text"}),
@@ -269,11 +414,15 @@ CASES = [
     ok("utf8-question", run_with("--task", "qa"), "not valid UTF-8", setup=not_utf8_batch("questions", b"\xfe"),
        bad_rows=1, bad_field="questions.0"),
 
+    *(ok(f"utf8-text-{layout}", RUN, "skipped row 2 (doc-2) in {input}: text: not valid UTF-8",
+         setup=not_utf8_layout(layout), bad_rows=1, bad_field="text") for layout in STRING_LAYOUTS),
+
     # No valid document, so no run (input_errors rows belong to a run): the bad rows are on stderr only.
-    ok("all-rows-bad", RUN, "skipped row 0 (x)", "skipped row 1 (y)", "0 done", "2 bad rows",
-       setup=batch({"doc_id": "x", "text": None}, {"doc_id": "y", "text": ""}, good=0), runs=("completed",),
-       bad_rows=2, done=()),
-    ok("no-rows", RUN, "0 done", setup=batch(good=0), runs=(), done=()),
+    # Nothing done is not a success: exit 1 (the bad rows are still recorded).
+    not_done("all-rows-bad", RUN, "skipped row 0 (x)", "skipped row 1 (y)", "0 done", "2 bad rows",
+             "no valid document", setup=batch({"doc_id": "x", "text": None}, {"doc_id": "y", "text": ""}, good=0),
+             runs=("completed",), bad_rows=2, done=()),
+    not_done("no-rows", RUN, "0 done", "no valid document", setup=batch(good=0), runs=(), done=()),
     ok("sweep-with-a-bad-row", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}",
                                 "--max-new-tokens", "2", "--press", "knorm", "--compression-ratio", "0.5,0.9"],
        "skipped row 2", setup=batch({"doc_id": "doc-x", "text": None}), runs=("completed",) * 3, bad_rows=1),
@@ -319,6 +468,24 @@ CASES = [
     error("repetition-penalty-0", run_with("--repetition-penalty", "0"), "repetition_penalty"),
     error("qa-instruction-without-slot", run_with("--qa-instruction", "Answer briefly."), "qa_instruction",
           "placeholder"),
+    error("press-param-window-past-int32", run_with("--press-param", "window=3000000000"), "window", "2147483647"),
+    error("press-param-block-past-int32", run_with("--press-param", "block=3000000000"), "block", "2147483647"),
+    error("press-param-tau-nan", run_with("--press-param", "tau=NaN"), "tau", "finite number, got nan"),
+    error("press-param-beta-infinity", run_with("--press-param", "beta=Infinity"), "beta", "finite number, got inf"),
+    error("press-param-prior-nan", run_with("--press-param", "prior=[0.4,NaN,0.2]"), "prior"),
+    error("press-param-seed-negative", run_with("--press", "random", "--press-param", "seed=-1"), "seed", "got -1"),
+    error("press-param-seed-not-an-int", run_with("--press", "random", "--press-param", "seed=abc"), "seed", "'abc'"),
+    error("press-param-prefill", run_with("--press-param", "prefill=streaming"), "prefill", "option of its own"),
+    error("press-param-compression-ratio", run_with("--press-param", "compression_ratio=0.5"), "compression_ratio",
+          "option of its own"),
+    error("no_press-with-press-params", run_with("--press", "no_press", "--press-param", "n_sink=2"), "no_press",
+          "takes no press parameters"),
+    error("prefill-cache-gb-inf", run_with("--prefill-cache-gb", "inf"), "prefill_cache_gb", "finite"),
+    error("prefill-cache-gb-negative", run_with("--prefill-cache-gb", "-1"), "prefill_cache_gb", "greater than 0"),
+    error("prefill-cache-on-a-file", run_with("--prefill-cache", "{file}"), "prefill_cache", "not a folder",
+          setup=write_file("afile", b"x", as_input=False), check=lambda ctx, res: ctx.unchanged()),
+    error("prefill-cache-unwritable", run_with("--prefill-cache", "{ro}/pc"), "prefill_cache", "cannot write",
+          setup=lambda ctx: ctx.read_only_folder()),
     error("sweep-ratio-list-bad", ["sweep", "--compression-ratio", "0.5,x", "--db", "{db}"], "comma-separated"),
     error("query-format-bogus", ["query", "SELECT 1", "--db", "{db}", "--format", "xml"], "--format",
           setup=a_store),
@@ -328,6 +495,21 @@ CASES = [
           "--shard-size must be at least 1, got -3", check=no_file("meta.db")),
     error("pool-on-a-duckdb-file", run_with("--pool", "p", "--shards", "2"), "--pool needs a lake store"),
     error("serve-shards-without-pool", ["serve", "--shards", "2", "--db", "{db}"], "give --pool NAME"),
+
+    # ---- the environment: one line naming the variable and the fix, before anything is created
+    error("env-tmpdir-unwritable", RUN, "TMPDIR=", "point TMPDIR at a writable folder",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
+    error("env-tmpdir-missing", RUN, "TMPDIR={tmp}/nope", "no such folder",
+          setup=lambda ctx: ctx.monkeypatch.setenv("TMPDIR", str(ctx.tmp / "nope"))),
+    error("env-prefect-home-unwritable", RUN, "PREFECT_HOME=", "set PREFECT_HOME to a writable folder",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("PREFECT_HOME", ctx.vars["ro"] + "/p"))),
+    error("env-home-unwritable", RUN, "HOME=", "~/.prefect", "set PREFECT_HOME",
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.delenv("PREFECT_HOME", raising=False),
+                             ctx.monkeypatch.setenv("HOME", ctx.vars["ro"]))),
+    error("env-prefect-api-url-closed-port", RUN, "PREFECT_API_URL=http://127.0.0.1:", "not answering",
+          "unset PREFECT_API_URL", setup=lambda ctx: ctx.api_url(f"http://127.0.0.1:{closed_port()}/api")),
+    error("env-sweep-tmpdir-unwritable", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "TMPDIR=", setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
 
     # ---- models: checked before anything starts
     error("model-path-missing", run_with("--model", "./no/such/model"), "does not exist"),
@@ -341,6 +523,7 @@ CASES = [
 
     error("model-dir-without-weights", run_with("--model", "{tmp}/m"), "m",
           setup=write_file("m/config.json", b'{"model_type": "llama"}', as_input=False)),
+    error("bench-memory-lengths-0", ["bench", "memory", "--lengths", "0"], "--lengths", "1..2147483647"),
     error("bench-model-unknown", ["bench", "--model", "no such model!"], "unknown model"),
 
     # ---- the store
@@ -363,9 +546,24 @@ CASES = [
                                "INSERT INTO schema_version VALUES (99)")),
     error("disk-full-new-store", RUN, "cannot open database", "File too large", setup=full_disk(False)),
     error("disk-full-existing-store", RUN, "write failed", "File too large", setup=full_disk(True)),
+    # A write that fails mid-batch stops it: one line, exit 1, what was stored before is kept, the run is
+    # not completed (a disk that filled up refuses closing the run too: the next writer marks it interrupted).
+    not_done("disk-full-mid-batch", RUN, "write failed", "File too large", "1 of 3 documents stored (kept), 2 not",
+             setup=disk_fills_after(1), runs=("running",), done=("doc-0",),
+             check=lambda ctx, res: stored_doc_ids(ctx) == {"doc-0"}),
+    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=every_write_fails,
+             runs=("completed", "failed"), done=(), check=lambda ctx, res: stored_doc_ids(ctx) == set()),
+    error("db-in-memory", run_with("--db", ":memory:"), ":memory:", "would lose every result"),
+    ok("db-with-tilde", run_with("--db", "~/stores/x.duckdb"), setup=home_in_tmp,
+       check=lambda ctx, res: not (ctx.tmp / "~").exists()),
     error("db-held-by-another-process", RUN, "another process holds", "DuckDB allows one writer", setup=held()),
     ok("db-held-then-released-with-wait", run_with("--wait", "60"), "held by another writer", setup=held(1.5),
        runs=("completed", "completed")),
+
+    # ---- the prefill cache owns only its own entries
+    ok("prefill-cache-keeps-foreign-files", run_with("--model", "{tmp}/tiny", "--prefill-cache", "{tmp}/models",
+                                                      "--prefill-cache-gb", "1e-9"),
+       setup=foreign_weights, check=foreign_weights_intact),
 
     # ---- nkv query: exactly one read-only statement, nothing outside the store
     query("COPY runs TO 'x.csv'", "COPY", check=no_file("x.csv")),
@@ -394,7 +592,8 @@ CASES = [
     query("CREATE TABLE t AS SELECT 1", "refused"),
     query("PRAGMA enable_profiling", "refused"),
     query("SELEC nothing", "query failed"),
-    error("query-held-db", ["query", "SELECT 1", "--db", "{db}"], "another process holds", setup=held()),
+    error("query-held-db", ["query", "SELECT 1", "--db", "{db}"], "another process holds", "after waiting",
+          setup=lambda ctx: (ctx.monkeypatch.setattr("pipeline.store.READER_WAIT_S", 0.3), held()(ctx))),
     error("report-missing-db", ["report", "--db", "{db}", "--out", "{tmp}/rep"], "runs.duckdb",
           check=no_file("rep")),
     error("query-missing-db", ["query", "SELECT 1", "--db", "{db}"], "no such database file"),
@@ -404,6 +603,27 @@ CASES = [
        setup=a_store, runs=("completed",), done=(), check=lambda ctx, res: _stdout(res, "n_runs\"\n1\n")),
     ok("query-describe", ["query", "DESCRIBE runs", "--db", "{db}", "--format", "json"], setup=a_store, done=(),
        check=lambda ctx, res: _stdout(res, '"column_name": "run_id"')),
+
+    # ---- nkv query: every type in every format, duplicate names kept, nothing raw reaches the terminal
+    *(ok(f"query-every-type-{fmt}", ["query", EVERY_TYPE, "--db", "{db}", "--format", fmt], setup=a_store, done=(),
+         check=parses_as(fmt)) for fmt in ("table", "csv", "json")),
+    ok("query-duplicate-names-table", ["query", "SELECT 1 AS a, 2 AS a", "--db", "{db}"], setup=a_store, done=(),
+       check=lambda ctx, res: _stdout(res, "│ 1 │ 2 │")),
+    ok("query-duplicate-names-csv", ["query", "SELECT 1 AS a, 2 AS a", "--db", "{db}", "--format", "csv"],
+       setup=a_store, done=(), check=lambda ctx, res: _stdout(res, '"a","a"\n1,2\n')),
+    ok("query-duplicate-names-json", ["query", "SELECT 1 AS a, 2 AS a, 3 AS a_2", "--db", "{db}", "--format", "json"],
+       setup=a_store, done=(), check=lambda ctx, res: strict_json(res.stdout) == [{"a": 1, "a_3": 2, "a_2": 3}]),
+    ok("query-control-characters-csv", ["query", "SELECT chr(27) || '[2J' || chr(10) || 'x' AS t", "--db", "{db}",
+                                        "--format", "csv"], setup=a_store, done=(),
+       check=lambda ctx, res: _stdout(res, '"t"\n"\\x1b[2J\\x0ax"\n')),
+    ok("query-table-shows-the-first-rows", ["query", "SELECT * FROM range(50)", "--db", "{db}"], "first 20 rows",
+       setup=lambda ctx: (a_store(ctx), ctx.monkeypatch.setattr("flows.output.TABLE_ROWS", 20)), done=(),
+       check=lambda ctx, res: "│ 19 " in res.stdout and "│ 20 " not in res.stdout),
+    not_done("query-timeout", ["query", "SELECT count(*) FROM range(10000000000000)", "--db", "{db}", "--timeout",
+                               "0.5"], "query stopped after 0.5 s", setup=a_store),
+    error("query-timeout-negative", ["query", "SELECT 1", "--db", "{db}", "--timeout", "-1"], "--timeout",
+          setup=a_store),
+    error("query-timeout-nan", ["query", "SELECT 1", "--db", "{db}", "--timeout", "nan"], "--timeout", setup=a_store),
 
     # ---- user text is literal: Rich markup and terminal escapes from input
     error("markup-in-missing-input", run_with("--input", "{tmp}/a[/red]b.parquet"), "[/red]"),
@@ -423,6 +643,12 @@ CASES = [
        bad_rows=1),
     ok("escape-sequence-in-good-doc_id", RUN, "3 done", setup=batch({"doc_id": "\x1b[2Jclear", "text": "fine"}),
        done=GOOD + ("\x1b[2Jclear",)),
+
+    ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
+       done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
+    not_done("too-long-with-truncate", run_with("--truncate", "--max-new-tokens", "5000"), "did not end ok",
+             done=(), check=lambda ctx, res: all("lower --max-new-tokens" in r["error"] and "pass --truncate" not in
+                                                 r["error"] for r in rows(ctx.db, "SELECT error FROM outputs"))),
 
     # ---- resume and re-runs
     ok("rerun-does-nothing-twice", RUN, "0 runs", "2 already done", setup=lambda ctx: ctx.earlier_run(),
@@ -487,6 +713,15 @@ class Ctx:
         folder.chmod(0o555)
         self.cleanup.append(lambda: folder.chmod(0o755))
         self.vars["ro"] = str(folder)
+
+    def api_url(self, url: str) -> None:
+        """Prefect configured with this server URL for the row (as PREFECT_API_URL would)."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        settings = temporary_settings(updates={PREFECT_API_URL: url})
+        settings.__enter__()
+        done = []
+        self.cleanup.append(lambda: done or (done.append(1), settings.__exit__(None, None, None)))
 
     def earlier_run(self) -> None:
         """The good batch already done, by the same command."""
@@ -566,7 +801,7 @@ def one_error_line(res, words) -> str:
 
 
 def runs_a_flow(case: Case) -> bool:
-    return case.code == 0 and case.args[0] in ("run", "sweep")
+    return case.code in (0, 1) and case.args[0] in ("run", "sweep")
 
 
 def marks(case: Case) -> list:
@@ -591,7 +826,14 @@ def test_matrix(case: Case, tmp_path, monkeypatch, request, started):
         assert res.exit_code == case.code, res.output
         assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
         assert "Traceback" not in res.output and "\x1b" not in res.output, res.output
-        if case.code:
+        if case.code == 1:
+            lines = [line for line in res.stderr.splitlines() if line.strip()]
+            assert lines[-1].startswith("error: ") and sum(x.startswith("error:") for x in lines) == 1, res.stderr
+            for w in case.words:
+                assert ctx.fill([w])[0] in res.stderr, res.stderr
+            if case.args[0] != "query":
+                check_store(case, ctx)
+        elif case.code:
             one_error_line(res, [ctx.fill([w])[0] for w in case.words])
             assert not started, "a flow started before the error"
             if not created_before:
@@ -626,11 +868,11 @@ def check_store(case: Case, ctx: Ctx) -> None:
 
 
 def test_matrix_covers_the_issue():
-    assert len(CASES) + SIGNAL_ROWS >= 77
+    assert len(CASES) + SIGNAL_ROWS >= 177
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
-SIGNAL_ROWS = 6  # the cases below (signals, crash, --verbose, --wait expiring)
+SIGNAL_ROWS = 9  # the cases below (signals, crash, --verbose, --wait expiring, nkv query: Ctrl-C, streaming, read during a batch)
 
 
 @pytest.fixture(scope="module")
@@ -827,3 +1069,94 @@ def test_wait_that_expires_is_one_error_after_the_progress_lines(tmp_path, monke
     assert waits and all("held by another writer; waited" in w for w in waits), res.stderr
     assert last.startswith("error: ") and "another process holds" in last and "after waiting 1s" in last
     ctx.unchanged()
+
+
+def test_ctrl_c_interrupts_a_running_query(tmp_path):
+    """Ctrl-C while DuckDB computes: the query stops at once (con.interrupt), one line, exit 130."""
+    import _thread
+
+    import pipeline.store as store_mod
+
+    db = tmp_path / "runs.duckdb"
+    Store(db).close()
+    real, started = store_mod.Store.stream, threading.Event()
+
+    def stream(self, sql, *a, **kw):
+        started.set()
+        return real(self, sql, *a, **kw)
+
+    def ctrl_c():
+        started.wait(30)
+        time.sleep(0.3)  # into the count, which alone would run for hours
+        _thread.interrupt_main()  # what SIGINT does to the main thread
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store_mod.Store, "stream", stream)
+        threading.Thread(target=ctrl_c, daemon=True).start()
+        t0 = time.monotonic()
+        res = invoke(["query", "SELECT count(*) FROM range(10000000000000)", "--db", str(db), "--timeout", "0"])
+    assert res.exit_code == 130, res.output
+    assert time.monotonic() - t0 < 20  # not the hours the count would take
+    one_error_line(res, ["interrupted"])
+
+
+def test_query_results_reach_the_writer_in_batches(tmp_path, monkeypatch):
+    """A large result is written as it is read, never held whole: the JSON writer gets bounded batches."""
+    import flows.output as output
+
+    db = tmp_path / "runs.duckdb"
+    Store(db).close()
+    sizes, real = [], output.JsonWriter.write
+    monkeypatch.setattr(output.JsonWriter, "write", lambda self, b: (sizes.append(b.num_rows), real(self, b))[1])
+    res = invoke(["query", "SELECT range AS i FROM range(20000)", "--db", str(db), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert sum(sizes) == 20000 and len(sizes) > 1 and max(sizes) <= 4096, sizes
+    assert [r["i"] for r in strict_json(res.stdout)] == list(range(20000))
+
+
+WRITER = """
+import sys
+from pipeline.config import RunConfig
+from pipeline.results import DocumentResult, QuestionResult
+from pipeline.store import Store
+
+with Store(sys.argv[1]) as s:
+    run = s.start_run(RunConfig(model="m"), "in")
+    for i in range(int(sys.argv[2])):
+        s.write_document(run, DocumentResult(f"doc-{i}", f"{i:064x}", 9, questions=[QuestionResult(0, "q?", "a")]))
+        print("stored", i + 1, flush=True)
+        sys.stdin.readline()  # the test says when to store the next one
+    s.finish_run(run, "completed")
+"""
+
+
+def test_nkv_query_reads_the_store_while_a_batch_writes_it(tmp_path):
+    """A batch holds the DuckDB file only while it stores a document: between documents `nkv query` reads
+    every finished one, a second batch is still refused, and a reader holding the file delays the writer
+    instead of failing it."""
+    db = tmp_path / "runs.duckdb"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "3"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for n in (1, 2):
+            assert writer.stdout.readline().split() == ["stored", str(n)]
+            res = invoke(["query", "SELECT count(*) AS n FROM outputs", "--db", str(db), "--format", "csv"])
+            assert res.exit_code == 0 and res.stdout == f'"n"\n{n}\n', res.output
+            if n == 1:
+                writer.stdin.write("\n")
+                writer.stdin.flush()
+        with pytest.raises(Exception, match="an nkv batch is writing it"):
+            Store(db)  # the one-writer guarantee holds between the batch's transactions too
+        reader = duckdb.connect(str(db), read_only=True)  # a reader that holds the file while the writer goes on
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        time.sleep(0.5)
+        assert writer.poll() is None
+        reader.close()
+        assert writer.stdout.readline().split() == ["stored", "3"]  # it waited for the reader, then stored
+        writer.stdin.write("\n")
+        writer.stdin.close()
+        assert writer.wait(30) == 0
+        assert rows(db, "SELECT status FROM runs") == [{"status": "completed"}]
+    finally:
+        writer.kill()

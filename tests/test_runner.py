@@ -142,3 +142,22 @@ def test_batched_repetition_penalty_equals_mlx_lms_row_by_row():
     assert not mx.array_equal(got, logits).item()
     with pytest.raises(ValueError, match="history"):
         penalize_repeats(logits, [[1], [], [2]], 1.3)
+
+
+def test_too_long_with_truncate_names_what_is_too_long():
+    """--truncate was given: the hint is about the question and the answer, never "pass --truncate"."""
+    cfg = RunConfig(task="qa", model="tiny", max_new_tokens=290, truncate=True)
+    res, prepared = Runner(tiny_model(), ByteTokenizer(), cfg, max_context=300).start(doc())
+    assert prepared is None and res.status == TOO_LONG
+    assert "--max-new-tokens" in res.error and "pass --truncate" not in res.error
+    res, _ = Runner(tiny_model(), ByteTokenizer(), cfg.model_copy(update={"truncate": False}), max_context=300).start(doc())
+    assert "pass --truncate" in res.error
+
+
+def test_a_document_quoting_the_split_marker_stays_in_the_context():
+    from pipeline.prompts import _SPLIT, build_prompt
+
+    text = f"First half. {_SPLIT} second half, still the document."
+    parts = build_prompt(ByteTokenizer(), text, "Summarize.")
+    assert text in parts.context and parts.question.strip().startswith("Summarize.")
+    assert "second half" not in parts.question

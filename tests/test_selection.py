@@ -228,3 +228,20 @@ def test_select_checks_shapes_and_keep():
         select(mx.zeros((1, 1, 10)), 11)
     with pytest.raises(ValueError, match="keep"):
         select(mx.zeros((1, 1, 10)), 0)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("nestedkv", {"tau": float("nan")}), ("nestedkv", {"beta": float("inf")}), ("nestedkv", {"kappa": float("-inf")}),
+    ("nestedkv", {"prior": (0.4, float("nan"), 0.2)}), ("nestedkv", {"window": 2**31}), ("nestedkv", {"block": 2**31}),
+    ("nestedkv", {"window": True}), ("keydiff", {"n_sink": 2**31}), ("keydiff", {"safeguard": float("nan")}),
+    ("random", {"seed": -1}), ("random", {"seed": "abc"}), ("random", {"seed": 2**64}), ("random", {"seed": 1.5}),
+])
+def test_press_parameters_must_be_finite_and_fit_their_arrays(name, params):
+    key = next(iter(params))
+    with pytest.raises(ValueError, match=key):
+        get_press(name, **params)
+
+
+def test_press_parameters_at_their_limits_are_accepted():
+    assert get_press("nestedkv", window=2**31 - 1, block=2**31 - 1, tau=-1e300).window == 2**31 - 1
+    assert get_press("random", seed=2**64 - 1).seed == 2**64 - 1
