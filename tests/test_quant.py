@@ -257,7 +257,7 @@ def test_press_json_and_run_hash():
         RunConfig(kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size"):
         RunConfig(kv_group_size=50)
-    with pytest.raises(ValueError, match="options of their own"):
+    with pytest.raises(ValueError, match="kv_bits is an option of its own"):
         RunConfig(press_params={"kv_bits": 4})
 
 
