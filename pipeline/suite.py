@@ -123,7 +123,8 @@ class SuiteOptions:
         if not self.ablation:
             return {}
         ratios = [r for r in HEADLINE_RATIOS if r in self.ratios] or list(self.ratios)
-        names = self.variants if self.variants is not None else [n for n, v in VARIANTS.items() if v[0] == "nestedkv"]
+        names = [n for n, v in VARIANTS.items() if v[0] == "nestedkv"] if self.variants is None else \
+            list(dict.fromkeys(["nestedkv", *self.variants]))  # the full method: what each variant is paired with
         got = variant_configs(self.base(), list(names), ratios)
         return {c: name for c, (name, _) in got.items() if not c.is_reference}
 

@@ -153,7 +153,7 @@ def test_calibration_excludes_cells_below_the_threshold():
 def test_suite_ablation_variants_can_be_chosen():
     opts = suite.SuiteOptions(ratios=(0.75,), variants=("block only", "window only unrotated"))
     got = sorted(opts.ablation_configs().values())
-    assert got == ["block only", "window only unrotated"]
+    assert got == ["block only", "nestedkv", "window only unrotated"]  # with the full method to pair against
     assert [c.press_params for c, n in opts.ablation_configs().items() if n == "window only unrotated"] == \
         [{"scales": [False, False, True], "unrotate": True}]
     with pytest.raises(ValueError, match="variants: unknown \\['keydiff'\\]"):
