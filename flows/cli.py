@@ -18,6 +18,7 @@ from rich.text import Text
 import nestedkv
 from flows.options import generation_options, press_options
 from flows.output import CONTROL_ESCAPES, plain
+from flows.query import QUERY_TIMEOUT_S
 from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
@@ -480,100 +481,22 @@ def check_kv_group_size(model, configs) -> None:
             fail(f"--kv-group-size: {exc}")
 
 
-QUERY_TIMEOUT_S = 60.0  # interactive: a query that runs longer is most likely a mistake (--timeout 0: none)
-
-
-class QueryStopped(Exception):
-    """The query was stopped (timeout); the message says why."""
-
-
 def run_query(store, sql: str, fmt: str, timeout: float) -> None:
-    """Run the query on a worker thread and write its batches here as they come: this thread stays free
-    for Ctrl-C, and Ctrl-C or ``timeout`` (seconds spent waiting on the database) interrupt the query
-    (``con.interrupt``). A table shows the first rows only, and then the query is stopped as well."""
-    import queue
-    import threading
-    import time
-
+    """Write the query's batches here as they come (``flows.query``); Ctrl-C or ``timeout`` stop it. A table
+    shows the first rows only, and then the query is stopped as well."""
     from flows.output import TABLE_ROWS
-
-    q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: the query never runs far ahead of the writer
-    stop = threading.Event()
-
-    def put(item) -> None:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def produce() -> None:
-        try:
-            schema, batches = store.stream(sql)
-        except BaseException as exc:  # handed to the main thread, which reports it
-            put(("error", exc))
-            return
-        try:
-            put(("schema", schema))
-            for batch in batches:
-                if stop.is_set():
-                    return
-                put(("batch", batch))
-            put(("end", None))
-        except BaseException as exc:
-            put(("error", exc))
-        finally:
-            batches.close()  # here: the store's session belongs to this thread
-
-    waited = [0.0]
-
-    def take():
-        while True:
-            t0 = time.monotonic()
-            try:
-                kind, value = q.get(timeout=0.1)
-            except queue.Empty:
-                kind = None
-            waited[0] += time.monotonic() - t0
-            if kind == "error":
-                raise value
-            if kind is not None:
-                return kind, value
-            if timeout and waited[0] > timeout:
-                raise QueryStopped(f"query stopped after {timeout:g} s (--timeout SECONDS, 0 for no limit)")
-
-    def batches():
-        while True:
-            kind, value = take()
-            if kind == "end":
-                return
-            yield value
-
-    worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
-    worker.start()
-
-    def halt() -> None:
-        stop.set()
-        if worker.is_alive():
-            store.interrupt()
-        worker.join(10)
+    from flows.query import QueryStopped, background_query
 
     try:
-        _, schema = take()
-        if print_result(schema, batches(), fmt):
-            say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
+        with background_query(store, sql, timeout) as (schema, batches):
+            if print_result(schema, batches, fmt):
+                say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
     except KeyboardInterrupt:
-        halt()
         fail("query interrupted (Ctrl-C)", 130)
     except QueryStopped as exc:
-        halt()
         fail(str(exc), 1)
     except BrokenPipeError:  # the reader went away (| head): stop quietly
-        halt()
         raise typer.Exit(0)
-    finally:
-        halt()
 
 
 @app.command()

@@ -1,0 +1,85 @@
+"""A read-only query run on a worker thread, its Arrow batches handed over as they come, so that the
+calling thread stays free for Ctrl-C and a timeout; stopping interrupts the query (``con.interrupt``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+QUERY_TIMEOUT_S = 60.0  # interactive: a query that runs longer is most likely a mistake (--timeout 0: none)
+
+
+class QueryStopped(Exception):
+    """The query was stopped (timeout); the message says why."""
+
+
+@contextmanager
+def background_query(store, sql: str, timeout: float) -> Iterator[tuple]:
+    """``(schema, batches)`` of ``sql`` on ``store``; ``timeout``: seconds spent waiting on the database
+    (0: no limit) before ``QueryStopped``. Leaving the block stops the query if it still runs."""
+    q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: the query never runs far ahead of the writer
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            schema, batches = store.stream(sql)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            put(("error", exc))
+            return
+        try:
+            put(("schema", schema))
+            for batch in batches:
+                if stop.is_set():
+                    return
+                put(("batch", batch))
+            put(("end", None))
+        except BaseException as exc:
+            put(("error", exc))
+        finally:
+            batches.close()  # here: the store's session belongs to this thread
+
+    waited = [0.0]
+
+    def take():
+        while True:
+            t0 = time.monotonic()
+            try:
+                kind, value = q.get(timeout=0.1)
+            except queue.Empty:
+                kind = None
+            waited[0] += time.monotonic() - t0
+            if kind == "error":
+                raise value
+            if kind is not None:
+                return kind, value
+            if timeout and waited[0] > timeout:
+                raise QueryStopped(f"query stopped after {timeout:g} s (--timeout SECONDS, 0 for no limit)")
+
+    def batches():
+        while True:
+            kind, value = take()
+            if kind == "end":
+                return
+            yield value
+
+    worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
+    worker.start()
+    try:
+        _, schema = take()
+        yield schema, batches()
+    finally:
+        stop.set()
+        if worker.is_alive():
+            store.interrupt()
+        worker.join(10)
