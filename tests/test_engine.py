@@ -285,7 +285,8 @@ def test_a_press_parameter_changes_the_hash_and_is_stored(tmp_path, monkeypatch)
         assert again.n_processed == 1  # the changed parameter recomputes
         with Store(db, read_only=True) as s:
             stored = s.query("SELECT config_json FROM runs WHERE run_id = ?", [again.run_ids[0]]).to_pylist()
-        assert '"press_params":{"tau":0.5}' in stored[0]["config_json"]
+        # unrotate on by default is written out, as runs that set it before it was the default wrote it
+        assert '"press_params":{"tau":0.5,"unrotate":true}' in stored[0]["config_json"]
 
 
 def test_batched_decode_applies_the_repetition_penalty_like_one_at_a_time(prefills):
