@@ -215,6 +215,37 @@ def disk_fills_after(n_writes: int):
     return setup
 
 
+def with_flow_run(setup: Callable):
+    """``setup``, and the id of the Prefect flow run the command starts kept in ``ctx.vars['flow_run']``."""
+    def both(ctx):
+        import pipeline.engine as engine
+        from prefect.context import FlowRunContext
+
+        setup(ctx)
+        real = engine.run_batch
+
+        def run_batch(*a, **kw):
+            ctx.vars["flow_run"] = FlowRunContext.get().flow_run.id
+            return real(*a, **kw)
+
+        ctx.monkeypatch.setattr(engine, "run_batch", run_batch)
+    return both
+
+
+def flow_run_failed(*words: str, stored: set[str]):
+    """The flow run (the same flow a served or deployed run is) ended Failed, as the Prefect API has it, its
+    message the one line naming ``words``; the store holds exactly the ``stored`` documents."""
+    def check(ctx, res):
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(ctx.vars["flow_run"]).state
+        assert state.type.value == "FAILED", state
+        assert "\n" not in state.message and all(w in state.message for w in words), state.message
+        assert stored_doc_ids(ctx) == stored
+    return check
+
+
 def every_write_fails(ctx):
     """A store whose outputs table was altered so that no document's rows fit it any more."""
     a_store(ctx)
@@ -557,8 +588,13 @@ CASES = [
     not_done("disk-full-mid-batch", RUN, "write failed", "File too large", "1 of 3 documents stored (kept), 2 not",
              setup=disk_fills_after(1), runs=("failed",), done=("doc-0",),
              check=lambda ctx, res: stored_doc_ids(ctx) == {"doc-0"}),
-    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=every_write_fails,
-             runs=("completed", "failed"), done=(), check=lambda ctx, res: stored_doc_ids(ctx) == set()),
+    # The flow run itself (what `nkv serve` and a deployment run) ends Failed with the same line, not Completed.
+    not_done("flow-run-failed-on-disk-full-mid-batch", RUN, "1 of 3 documents stored (kept), 2 not",
+             setup=with_flow_run(disk_fills_after(1)), runs=("failed",), done=("doc-0",),
+             check=flow_run_failed("write failed", "File too large", "1 of 3 documents stored (kept), 2 not stored",
+                                   stored={"doc-0"})),
+    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=with_flow_run(every_write_fails),
+             runs=("completed", "failed"), done=(), check=flow_run_failed("0 of 2 documents stored", stored=set())),
     error("db-in-memory", run_with("--db", ":memory:"), ":memory:", "would lose every result"),
     ok("db-with-tilde", run_with("--db", "~/stores/x.duckdb"), setup=home_in_tmp,
        check=lambda ctx, res: not (ctx.tmp / "~").exists()),
