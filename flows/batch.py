@@ -85,7 +85,7 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
                 stop.stored = []
                 raise stop
             for doc, outcomes in zip(docs, per_doc):
-                bad = [o.config.label() for o in outcomes if o.result.status != engine.OK]
+                bad = [o.config.label() for o in outcomes if not o.result.all_ok]
                 note = f"{doc.doc_id}: {len(outcomes) - len(bad)}/{len(outcomes)} configurations ok"
                 done[0] += 1
                 log.info("document %d/%d %s", done[0], len(todo), note + (f" (failed: {bad})" if bad else ""))
@@ -132,9 +132,9 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
     if summary.write_error:
         sections.append(("Stopped", summary.problem()))
-    failed = [o for o in summary.outcomes if o.result.status != engine.OK]
+    failed = [o for o in summary.outcomes if not o.result.all_ok]
     if failed or summary.input_errors:
-        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.error}" for o in failed]
+        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.problems}" for o in failed]
         lines += [f"- input row {e.row} (`{e.doc_id}`): {e.field}: {e.message}" for e in summary.input_errors]
         sections.append(("Problems", "\n".join(lines)))
     return sections

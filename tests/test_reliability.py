@@ -271,6 +271,19 @@ def _context_holds_all_of(doc_id: str, text: str, ctx) -> None:
     assert n > len(text.encode()), n
 
 
+LONG_QUESTION = "Why " + "and how " * 520 + "?"  # with any context and answer, past the tiny model's 4096
+
+
+def only_the_long_question_lost(ctx, res) -> None:
+    """The other question of the document was answered and stored ok; the long one is marked on its own row."""
+    got = rows(ctx.db, "SELECT question_idx, status, error FROM outputs WHERE doc_id = 'doc-q' ORDER BY question_idx")
+    assert [(r["question_idx"], r["status"]) for r in got] == [(0, "ok"), (1, "too_long")], got
+    assert got[0]["error"] is None
+    assert got[1]["error"].startswith("document 'doc-q' question 1: context ") and \
+        "exceeds the model window of 4096" in got[1]["error"], got[1]["error"]
+    assert rows(ctx.db, "SELECT n_errors FROM runs") == [{"n_errors": 1}]
+
+
 def closed_port() -> int:
     """A local port nothing listens on (bound, then released)."""
     import socket
@@ -686,6 +699,9 @@ CASES = [
     ok("escape-sequence-in-good-doc_id", RUN, "3 done", setup=batch({"doc_id": "\x1b[2Jclear", "text": "fine"}),
        done=GOOD + ("\x1b[2Jclear",)),
 
+    not_done("qa-one-question-too-long", run_with("--task", "qa"), "1 of 3 results did not end ok",
+             setup=batch({"doc_id": "doc-q", "text": "A short document.", "questions": ["Who?", LONG_QUESTION]}),
+             check=only_the_long_question_lost),
     ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
        done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
     not_done("too-long-with-truncate", run_with("--truncate", "--max-new-tokens", "5000"), "did not end ok",
