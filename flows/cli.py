@@ -373,6 +373,8 @@ def serve(
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a deployment runs one press configuration: give one value per press option")
+    if not pool:  # the runs start here and inherit the environment: a fault is said now, not in tomorrow's run
+        check_environment(prefect=False)
     sharded = shards is not None or shard_size is not None
     if sharded:
         check_fan_out(db, pool, shards, shard_size)
@@ -414,6 +416,11 @@ def check_environment(prefect: bool = True) -> None:
         why = "it is empty" if not tmp else unwritable(tmp) or (None if Path(tmp).is_dir() else "no such folder")
         if why:
             fail(f"TMPDIR={tmp}: {why}; point TMPDIR at a writable folder or unset it")
+    from pipeline.models import cache_dir_problem
+
+    problem = cache_dir_problem()  # where models are converted, by this command or its flow runs
+    if problem:
+        fail(problem)
     if not prefect:
         return
     home = os.environ.get("PREFECT_HOME")

@@ -284,6 +284,9 @@ def only_the_long_question_lost(ctx, res) -> None:
     assert rows(ctx.db, "SELECT n_errors FROM runs") == [{"n_errors": 1}]
 
 
+CACHE_FIX = "point NKV_CACHE_DIR at a writable folder (an absolute path) or unset it"
+
+
 def closed_port() -> int:
     """A local port nothing listens on (bound, then released)."""
     import socket
@@ -558,6 +561,20 @@ CASES = [
                              ctx.monkeypatch.setenv("HOME", ctx.vars["ro"]))),
     error("env-prefect-api-url-closed-port", RUN, "PREFECT_API_URL=http://127.0.0.1:", "not answering",
           "unset PREFECT_API_URL", setup=lambda ctx: ctx.api_url(f"http://127.0.0.1:{closed_port()}/api")),
+    error("env-nkv-cache-dir-unwritable", RUN, "NKV_CACHE_DIR={ro}/models", "cannot write", CACHE_FIX,
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("NKV_CACHE_DIR", ctx.vars["ro"] + "/models"))),
+    error("env-nkv-cache-dir-a-file", RUN, "NKV_CACHE_DIR={file}", "is not a folder", CACHE_FIX,
+          setup=lambda ctx: (write_file("afile", b"x", as_input=False)(ctx), ctx.snapshot(ctx.vars["file"]),
+                             ctx.monkeypatch.setenv("NKV_CACHE_DIR", ctx.vars["file"]))),
+    error("env-nkv-cache-dir-relative", RUN, "NKV_CACHE_DIR=models/cache", "a relative path", CACHE_FIX,
+          setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models/cache"),
+          check=lambda ctx, res: not Path("models/cache").exists()),
+    error("env-nkv-cache-dir-empty", RUN, "NKV_CACHE_DIR=:", "it is empty", CACHE_FIX,
+          setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "")),
+    error("env-eval-nkv-cache-dir-relative", ["eval", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "NKV_CACHE_DIR=models", CACHE_FIX, setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models")),
+    error("env-serve-nkv-cache-dir-relative", ["serve", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "NKV_CACHE_DIR=models", CACHE_FIX, setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models")),
     error("env-sweep-tmpdir-unwritable", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
           "TMPDIR=", setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
 
@@ -926,7 +943,7 @@ def check_store(case: Case, ctx: Ctx) -> None:
 
 
 def test_matrix_covers_the_issue():
-    assert len(CASES) + SIGNAL_ROWS >= 177
+    assert len(CASES) + SIGNAL_ROWS >= 185
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
