@@ -163,7 +163,14 @@ class RunConfig(GenerationSettings, PressSettings):
     def canonical_json(self) -> str:
         # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
         dump = self.model_dump(exclude=set(KV_FIELDS) if self.kv_bits is None else None)
+        dump["press_params"] = self._hashed_params()
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
+
+    def _hashed_params(self) -> dict:
+        # ``unrotate`` hashes as runs stored before its default changed wrote it (absent when off, true when
+        # on): a run that computes what a stored one computed keeps that run's hash.
+        params = {k: v for k, v in self.press_params.items() if k != "unrotate"}
+        return {**params, "unrotate": True} if self.make_press().unrotate else params
 
     def config_hash(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
