@@ -50,7 +50,6 @@ from nestedkv.accounting import LayerMemory
 from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
 from nestedkv.press import KV_GROUP_SIZES, BasePress, NoPress
-from nestedkv.selection import select
 from nestedkv.rope import from_description as rope_from_description, model_rope
 from nestedkv.streaming import StreamState
 
@@ -418,7 +417,7 @@ class NestedKVCache(KVCache):
     def _select_stored(self, keep: int):
         keys, values, valid = self._rows()
         scores = self.stream.scores(keys, valid, self.unrope)
-        sel = select(scores, keep, self.press.head_budget, n_sink=self.press.n_sink, safeguard=self.press.safeguard)
+        sel = self.press.select_scores(scores, keep)
         return keys, values, sel
 
     def _evict(self, keep: int) -> None:
@@ -649,8 +648,7 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
         if c.flat_keys is not None:
             d.flat_keys, d.flat_values = _rows_of(c.flat_keys, 0), _rows_of(c.flat_values, 0)
         if c.stream is not None:
-            d.stream = copy.copy(c.stream)
-            d.stream.rows = dict(c.stream.rows)
+            d.stream = c.stream.copy()
         if press is not None:
             if c.compressed or c.stream is not None or c.kept is not None:
                 raise ValueError("clone(cache, press) needs an uncompressed cache that evicted nothing")
