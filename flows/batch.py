@@ -13,6 +13,7 @@ from typing import Any, Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
+from prefect.states import Failed
 from prefect.utilities.annotations import quote
 
 import nestedkv
@@ -75,11 +76,16 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
                 if isinstance(per_doc, StoreWriteError):
                     raise per_doc  # the batch stops and says so (Summary.problem)
             else:  # the store write itself failed: the engine already turned model errors into rows
-                exc = state.result(raise_on_failure=False)
-                per_doc = [[Outcome(cfg, engine.error_result(doc, exc)) for cfg in plan.todo(doc)] for doc in docs]
                 log.error("documents %s: %s", label, state.message)
+                # Their rows are not (all) in the store: the batch stops as on any failed write, not counting
+                # them done or failed (a run whose documents were not all stored is not completed).
+                exc = state.result(raise_on_failure=False)
+                why = (f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(state.message))
+                stop = StoreWriteError(f"documents {label}: not stored ({one_line(why)})")
+                stop.stored = []
+                raise stop
             for doc, outcomes in zip(docs, per_doc):
-                bad = [o.config.label() for o in outcomes if o.result.status != engine.OK]
+                bad = [o.config.label() for o in outcomes if not o.result.all_ok]
                 note = f"{doc.doc_id}: {len(outcomes) - len(bad)}/{len(outcomes)} configurations ok"
                 done[0] += 1
                 log.info("document %d/%d %s", done[0], len(todo), note + (f" (failed: {bad})" if bad else ""))
@@ -90,7 +96,31 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
         layers = artifacts.layer_rows(store, summary.run_ids[-1]) if summary.run_ids else []
     artifacts.publish_tables(flow_name, summary.savings, layers, summary.run_ids)
     artifacts.publish_report(flow_name, f"{flow_name} over {input}", report_sections(input, summary, layers))
-    return summary
+    return final_state(summary)
+
+
+class BatchNotStored(Exception):
+    """What a flow run that stopped before storing every document ends with (its Failed state's data):
+    the message is ``Summary.problem()``, one line; ``summary`` is what the batch did. Calling the flow in
+    this process raises it, so the caller (``nkv run``) still reports the summary."""
+
+    def __init__(self, summary: Summary):
+        super().__init__(summary.problem())
+        self.summary = summary
+
+
+def final_state(summary: Summary):
+    """The flow run's result: the summary (state Completed) when every document with work left was stored,
+    ok or as an error row; otherwise state Failed with the one-line reason, as ``nkv run`` closes the runs
+    (``failed``). A served or deployed run thus never reads Completed with documents missing from the store,
+    and a fan-out retries such a shard. What was stored stays."""
+    if summary.write_error is None and summary.n_not_stored == 0:
+        return summary
+    return Failed(message=summary.problem(), data=BatchNotStored(summary))
+
+
+def one_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0]
 
 
 def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tuple[str, str]]:
@@ -102,9 +132,9 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
     if summary.write_error:
         sections.append(("Stopped", summary.problem()))
-    failed = [o for o in summary.outcomes if o.result.status != engine.OK]
+    failed = [o for o in summary.outcomes if not o.result.all_ok]
     if failed or summary.input_errors:
-        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.error}" for o in failed]
+        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.problems}" for o in failed]
         lines += [f"- input row {e.row} (`{e.doc_id}`): {e.field}: {e.message}" for e in summary.input_errors]
         sections.append(("Problems", "\n".join(lines)))
     return sections

@@ -251,19 +251,22 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
         return run_pool(input, task, model, db, data_path, pool, shards, shard_size, press, generation)
     configs, options = build(task, model, press, generation)
     check_environment()
-    from flows.batch import FLOWS, budget_sweep
+    from flows.batch import FLOWS, BatchNotStored, budget_sweep
     from flows.deploy import config_settings
     from flows.local_server import local_api
 
     check_before_flow(input, model, db, options.wait, data_path, configs=configs)
     exit_on_sigterm()
     with user_errors(), local_api(), batch_progress(configs_bar=len(configs) > 1) as hooks:
-        if len(configs) == 1:
-            c = configs[0]
-            summary = FLOWS[c.task](**config_settings(c, input, db, options), hooks=hooks)
-        else:
-            summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
-                                   reference=False, evaluate=False, options=options, hooks=hooks)
+        try:
+            if len(configs) == 1:
+                c = configs[0]
+                summary = FLOWS[c.task](**config_settings(c, input, db, options), hooks=hooks)
+            else:
+                summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
+                                       reference=False, evaluate=False, options=options, hooks=hooks)
+        except BatchNotStored as exc:  # the flow run ended Failed (documents not stored): say what it did
+            summary = exc.summary
     print_summary(summary, db)
     exit_unless_done(summary)
 
@@ -328,15 +331,18 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
     """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
     configs, options = build(task, model, press, generation)
     check_environment()
-    from flows.batch import budget_sweep
+    from flows.batch import BatchNotStored, budget_sweep
     from flows.local_server import local_api
 
     check_before_flow(input, model, db, options.wait, configs=configs)
     exit_on_sigterm()
     say(f"{len(configs)} configurations + the no_press reference, one prefill per document")
     with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
-        summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
-                               evaluate=evaluate, options=options, hooks=hooks)
+        try:
+            summary = budget_sweep(input=input, **press_grid(press), task=task, model=model, db=db,
+                                   evaluate=evaluate, options=options, hooks=hooks)
+        except BatchNotStored as exc:  # the flow run ended Failed (documents not stored): say what it did
+            summary = exc.summary
     print_summary(summary, db)
     exit_unless_done(summary)
 
@@ -367,6 +373,8 @@ def serve(
     configs, options = build(task, model, press, generation)
     if len(configs) != 1:
         fail("a deployment runs one press configuration: give one value per press option")
+    if not pool:  # the runs start here and inherit the environment: a fault is said now, not in tomorrow's run
+        check_environment(prefect=False)
     sharded = shards is not None or shard_size is not None
     if sharded:
         check_fan_out(db, pool, shards, shard_size)
@@ -408,6 +416,11 @@ def check_environment(prefect: bool = True) -> None:
         why = "it is empty" if not tmp else unwritable(tmp) or (None if Path(tmp).is_dir() else "no such folder")
         if why:
             fail(f"TMPDIR={tmp}: {why}; point TMPDIR at a writable folder or unset it")
+    from pipeline.models import cache_dir_problem
+
+    problem = cache_dir_problem()  # where models are converted, by this command or its flow runs
+    if problem:
+        fail(problem)
     if not prefect:
         return
     home = os.environ.get("PREFECT_HOME")

@@ -559,7 +559,7 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
         for j, (doc, outcomes) in enumerate(zip(group, per_doc), first):
             summary.n_processed += 1
             summary.n_results += len(outcomes)
-            summary.n_failed += sum(o.result.status != OK for o in outcomes)
+            summary.n_failed += sum(not o.result.all_ok for o in outcomes)
             summary.outcomes.extend(outcomes)
             if hooks.on_document:
                 hooks.on_document(j, len(docs), doc, outcomes)
