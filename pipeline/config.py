@@ -111,18 +111,13 @@ class PressSettings(_Settings):
         if self.kv_bits is not None:
             kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
         try:
-            return get_press(self.press, **kw, **_tuples(self.press_params))
+            return get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
         except TypeError as exc:  # an unknown parameter name
             raise ValueError(str(exc)) from None
 
     def press_key(self) -> dict:
         """The press's full parameter set, defaults included (what the hash must cover)."""
         return json.loads(self.make_press().to_json())
-
-
-def _tuples(params: dict) -> dict:
-    # JSON has no tuples; the presses' sequence parameters (scales, prior) are tuples.
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
 
 
 class GenerationSettings(_Settings):

@@ -41,7 +41,23 @@ from pipeline.evaluate import DELTA_GOLD_NLL, contains_gold
 from pipeline.tasks import SIZES, TASKS, generate, length_label, token_counter, write
 
 RECALL = "recall"
-METHODS = ("nestedkv", "keydiff", "knorm", "streaming_llm", "random")
+
+
+def methods() -> tuple[str, ...]:
+    """The methods a suite compares by default: the registry's (loaded on first use, not at import)."""
+    from nestedkv.press import compared_methods
+
+    return compared_methods()
+
+
+def _rank(press: str) -> int:
+    """A press's place in the tables: the registry's order."""
+    from nestedkv.press import PRESSES
+
+    order = list(PRESSES)
+    return order.index(press) if press in order else -1
+
+
 HEADLINE_RATIOS = (0.75, 0.9)
 LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
 SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
@@ -63,7 +79,7 @@ class SuiteOptions:
     per_task: Optional[int] = None  # default: the size's
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
-    presses: tuple[str, ...] = METHODS
+    presses: tuple[str, ...] = field(default_factory=methods)
     ratios: tuple[float, ...] = (0.5, 0.75, 0.9)
     head_budgets: tuple[str, ...] = ("uniform", "adaptive")
     prefills: tuple[str, ...] = ("whole",)  # "streaming" prefills each configuration on its own
@@ -328,7 +344,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
                          [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
                           "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2)]))
-        rows.sort(key=lambda r: (r[0][0], METHODS.index(r[0][1]) if r[0][1] in METHODS else -1, *r[0][2:]))
+        rows.sort(key=lambda r: (r[0][0], _rank(r[0][1]), *r[0][2:]))
         lines += [f"### {length_label(length)} ({length} tokens)", ""]
         lines += _table(["configuration", "r", *tasks, "calibrated cells", "delta gold NLL", "resident KV MiB/doc"],
                         [r for _, r in rows])
