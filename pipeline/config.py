@@ -33,6 +33,9 @@ QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from t
 # Greedy summaries from small models loop ("The game of chance is a game of chance..."); a mild
 # penalty over the last 64 generated tokens stops that. QA stays plain greedy unless asked.
 SUMMARY_REPETITION_PENALTY = 1.1
+REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
+# A field added after runs were stored: left out of the hash while at its default, so those runs still resume.
+HASHED_WHEN_SET = {"hashed_when_set": True}
 
 # The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
 PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "kv_bits",
@@ -136,6 +139,11 @@ class GenerationSettings(_Settings):
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
                                                 "1.0 disables")
 
+    def penalty(self) -> Optional[tuple[float, int]]:
+        """(repetition penalty, tokens it looks back over), or None when off (mlx-lm's logits processor)."""
+        p = self.repetition_penalty
+        return (p, REPETITION_CONTEXT) if p and p != 1.0 else None
+
     @field_validator("qa_instruction")
     @classmethod
     def _has_question_slot(cls, v: str) -> str:
@@ -174,7 +182,9 @@ class RunConfig(GenerationSettings, PressSettings):
 
     def canonical_json(self) -> str:
         # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
-        dump = self.model_dump(exclude=set(KV_FIELDS) if self.kv_bits is None else None)
+        new = {n for n, f in type(self).model_fields.items()
+               if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
+        dump = self.model_dump(exclude=new | (set(KV_FIELDS) if self.kv_bits is None else set()))
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
