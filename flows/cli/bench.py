@@ -9,6 +9,7 @@ import typer
 
 from flows.cli.common import InputOpt, ModelOpt, app, fail, invalid, out_console, say, split_list, user_errors
 from flows.cli.spec import batch_progress
+from pipeline.bench_peer import DEFAULT_PEER_PYTHON, PeerOptions
 from pipeline.config import DEFAULT_INPUT
 
 @app.command()
@@ -38,6 +39,7 @@ def suite(
                                            "(default: all, e.g. 'block only,window only unrotated')"),
     summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
                                   "summaries are compared with the uncompressed one"),
+    austen: Optional[str] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
     long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
                                   "headline, the ablation and the summaries"),
 ):
@@ -57,7 +59,7 @@ def suite(
             prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
             threshold=threshold, all_tasks=all_tasks, ablation=ablation,
             variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
-            long_from=long_from)
+            long_from=long_from, austen=austen)
         opts.configs()  # validate the press options before any work
     except ValueError as exc:
         invalid(exc)
@@ -72,15 +74,29 @@ def bench(
     what: str = typer.Argument("kernels", help="kernels (scoring, compression, decode, GEMM), memory (peak KV at "
                                "growing lengths), throughput (documents per hour, batched, prefill cache), rope "
                                "(how much each NestedKV scale's ranking is position, on --context tokens), or peer "
-                               "(side by side with kvpress; python -m pipeline.bench_peer --help for its options)"),
+                               "(side by side with kvpress)"),
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="kernels and rope: context tokens"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="memory: context lengths"),
     budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
     compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory, throughput and peer"),
-    input: str = typer.Option(DEFAULT_INPUT, "--input", help="throughput: the batch"),
+    input: Optional[str] = typer.Option(None, "--input", help=f"throughput and peer: the batch (default: "
+                                        f"{DEFAULT_INPUT}; peer: {PeerOptions.input})"),
     batch_size: int = typer.Option(5, "--batch-size", help="throughput: documents decoded together"),
+    rerun: bool = typer.Option(True, "--rerun/--no-rerun", help="throughput: also time a re-run with a new ratio, "
+                               "with and without the prefill cache"),
+    docs: int = typer.Option(PeerOptions.docs, "--docs", help="peer: documents (with questions) from the start "
+                             "of the input"),
+    peer_python: Optional[str] = typer.Option(None, "--peer-python", help="peer: the kvpress environment's python "
+                                              f"(default: $NKV_PEER_PYTHON or {DEFAULT_PEER_PYTHON})"),
+    peer_threads: int = typer.Option(PeerOptions.peer_threads, "--peer-threads", help="peer: torch threads"),
+    export_dir: str = typer.Option(PeerOptions.export_dir, "--export-dir", help="peer: where the fp32 "
+                                   "transformers copy is written"),
+    probe_tokens: int = typer.Option(PeerOptions.probe_tokens, "--probe-tokens", help="peer: context tokens "
+                                     "whose logits both engines must agree on"),
+    tolerance: float = typer.Option(PeerOptions.tolerance, "--tolerance", help="peer: max |logit difference| on "
+                                    "the probe"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the figures (JSON; memory: a folder with "
                                       "a table and a PNG plot)"),
 ):
@@ -103,8 +119,8 @@ def bench(
         elif what == "throughput":
             from pipeline import bench_throughput
 
-            bench_throughput.main(["--input", input, "--model", model, "--batch-size", str(batch_size),
-                                   "--compression-ratio", str(compression_ratio)] + (["--out", out] if out else []))
+            bench_throughput.run_benchmark(input or DEFAULT_INPUT, model=model, batch_size=batch_size,
+                                           ratio=compression_ratio, rerun=rerun, out=out)
         elif what == "rope":
             from pathlib import Path
 
@@ -116,8 +132,15 @@ def bench(
         elif what == "peer":
             from pipeline import bench_peer
 
-            bench_peer.main(["--model", model, "--compression-ratio", str(compression_ratio)]
-                            + (["--out", out] if out else []))
+            given = dict(input=input, peer_python=peer_python)
+            try:
+                bench_peer.run(PeerOptions(**{k: v for k, v in given.items() if v is not None}, docs=docs,
+                                           model=model, compression_ratio=compression_ratio,
+                                           peer_threads=peer_threads, export_dir=export_dir,
+                                           probe_tokens=probe_tokens, tolerance=tolerance, out=out))
+            except bench_peer.Refusal as exc:
+                say(f"bench_peer: {exc}")
+                raise typer.Exit(3)
         else:
             fail(f"nkv bench: unknown benchmark {what!r}; choose kernels, memory, throughput, rope or peer")
 
