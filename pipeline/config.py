@@ -138,11 +138,15 @@ class GenerationSettings(_Settings):
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
                                                 "1.0 disables")
+    repetition_context_size: int = Field(REPETITION_CONTEXT, ge=1, le=INT32_MAX, json_schema_extra=HASHED_WHEN_SET,
+                                         description="tokens (question and answer so far) the repetition penalty "
+                                         "looks back over "
+                                         "(mlx-lm's --repetition-context-size)")
 
     def penalty(self) -> Optional[tuple[float, int]]:
         """(repetition penalty, tokens it looks back over), or None when off (mlx-lm's logits processor)."""
         p = self.repetition_penalty
-        return (p, REPETITION_CONTEXT) if p and p != 1.0 else None
+        return (p, self.repetition_context_size) if p and p != 1.0 else None
 
     @field_validator("qa_instruction")
     @classmethod
