@@ -235,3 +235,19 @@ def test_cli_errors_are_one_line_before_prefect_starts(tmp_path):
     assert res.exit_code == 2 and "no such file" in res.output
     res = CliRunner().invoke(app, ["sweep", "--compression-ratio", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output
+
+
+def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
+    """--repetition-context-size is declared once (GenerationSettings): the CLI option, the flow's options,
+    the configuration and the runner's penalty follow, and at its default the stored hash is the old one."""
+    from flows.cli.spec import build
+    from flows.params import ONE
+    from pipeline.config import RunConfig
+
+    press = {"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
+             "prefill": "whole", "press_param": None, "kv_bits": None, "kv_group_size": "64"}
+    spec = build(press, {"repetition_context_size": 16}, input="x.parquet")
+    assert spec.config().repetition_context_size == 16 and spec.config().penalty() == (1.1, 16)
+    assert ONE.arguments(spec)["options"].repetition_context_size == 16
+    assert "repetition_context_size" not in RunConfig().canonical_json()  # hashed as before the field existed
+    assert RunConfig(repetition_context_size=16).config_hash() != RunConfig().config_hash()
