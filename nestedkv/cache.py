@@ -36,6 +36,7 @@ mlx-lm's ``merge`` into a ``BatchKVCache`` is refused: that would silently drop 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from typing import Optional, Sequence
 
@@ -50,6 +51,7 @@ from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
 from nestedkv.press import KV_GROUP_SIZES, BasePress, NoPress
 from nestedkv.selection import select
+from nestedkv.rope import from_description as rope_from_description, model_rope
 from nestedkv.streaming import StreamState
 
 
@@ -114,7 +116,11 @@ def _grow(buf, rows: int, new, step: int):
 
 class NestedKVCache(KVCache):
     step = KVCache.step
-    unrope = None  # the model's inverse rope (nestedkv.rope), for presses that score unrotated keys
+    rope_spec: Optional[dict] = None  # the model's rope (nestedkv.rope.describe), for unrotated scoring
+
+    @property
+    def unrope(self):
+        return None if self.rope_spec is None else rope_from_description(self.rope_spec)
 
     def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None):
         super().__init__()
@@ -326,14 +332,16 @@ class NestedKVCache(KVCache):
             hv,
             -1 if self.planned_len is None else self.planned_len,
             None if self.stream is None else self.stream.to_state(),
+            "" if self.rope_spec is None else json.dumps(self.rope_spec),
         )
 
     @state.setter
     def state(self, v):
         v = list(v)
-        v += [None, None, -1, None][len(v) - 10 :]  # files saved before per-head and streaming state: 10 fields
+        v += [None, None, -1, None, ""][len(v) - 10 :]  # files saved before per-head and streaming state: 10 fields
         keys, values, self.kept, self.valid, offset, stored, context_len, n_ctx_rows, saw, press_json = v[:10]
-        hk, hv, planned, stream = v[10:]
+        hk, hv, planned, stream, rope_json = v[10:]
+        self.rope_spec = json.loads(rope_json) if rope_json else None
         self.keys, self.values = keys, values
         self.offset, self.stored, self.n_ctx_rows = int(offset), int(stored), int(n_ctx_rows)
         self.context_len = None if int(context_len) < 0 else int(context_len)
@@ -380,7 +388,7 @@ class NestedKVCache(KVCache):
             if self.stored:
                 raise ValueError("a streaming press must see the context from its first chunk (clone it earlier)")
             self.stream = StreamState(self.press, self.planned_len)
-        new = self.stream.observe(keys)
+        new = self.stream.observe(keys, self.unrope)
         if self._rows_kept() > keep * keys.shape[1]:
             self._evict(keep)
         self.stream.append(new)
@@ -409,7 +417,7 @@ class NestedKVCache(KVCache):
 
     def _select_stored(self, keep: int):
         keys, values, valid = self._rows()
-        scores = self.stream.scores(keys, valid)
+        scores = self.stream.scores(keys, valid, self.unrope)
         sel = select(scores, keep, self.press.head_budget, n_sink=self.press.n_sink, safeguard=self.press.safeguard)
         return keys, values, sel
 
@@ -580,15 +588,19 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
 
 
 def _bind(cache: list, model, press: Optional[BasePress]) -> list:
-    """Give the layers the model's inverse rope when the press scores unrotated keys."""
-    if press is not None and press.unrotate:
-        from nestedkv.rope import model_unrope
-
-        unrope = model_unrope(model)
-        if unrope is None:
-            raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo")
-        for c in cache:
-            c.unrope = unrope
+    """Give the layers the model's rope (kept by ``clone`` and saved files), which presses scoring unrotated
+    keys need; a model whose rope cannot be undone fails only such a press."""
+    try:
+        spec = model_rope(model)
+    except ValueError:
+        if press is not None and press.unrotate:
+            raise
+        spec = None
+    if spec is None and press is not None and press.unrotate:
+        raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo; "
+                         "set the press's unrotate=false")
+    for c in cache:
+        c.rope_spec = spec
     return cache
 
 

@@ -16,23 +16,64 @@ import mlx.nn as nn
 Unrope = Callable[[mx.array, int], mx.array]  # (keys [B, H, N, D] at positions offset.., offset) -> keys
 
 
-def inverse(rope) -> Unrope:
-    """The inverse of an mlx rope module: the same rotation by minus the angle (rope is linear in the angle
-    and a rotation, so rotating by -theta undoes it exactly up to rounding)."""
+def describe(rope) -> dict:
+    """What ``inverse`` needs of an mlx rope module, as JSON-able data (a saved cache keeps it, so a cache
+    loaded from disk scores unrotated keys without the model)."""
     if type(rope) is nn.RoPE:
-        return lambda x, offset=0: mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=rope.base,
-                                                scale=-rope.scale, offset=offset)
-    # mlx-lm's rope variants that only change the frequencies (Llama 3's); those that also rescale
-    # the rotated dimensions' magnitudes are not handled.
+        return {"dims": rope.dims, "traditional": rope.traditional, "base": rope.base, "scale": rope.scale}
+    # mlx-lm's ropes defined by a frequency table (Llama 3, YaRN, Phi-3's su-scaled). YaRN and su-scaled
+    # also multiply the rotated dimensions by a constant; that factor stays (it does not depend on position).
     freqs = getattr(rope, "_freqs", None)
-    if freqs is not None and type(rope).__name__ == "Llama3RoPE":
-        return lambda x, offset=0: mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=None,
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
+    if freqs is not None and dims and type(rope).__name__ in ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE"):
+        return {"dims": dims, "traditional": bool(getattr(rope, "traditional", False)),
+                "freqs": [float(f) for f in freqs.tolist()]}
+    raise ValueError(f"unrotated scoring does not support the rope {type(rope).__name__}: "
+                     "set the press's unrotate=false")
+
+
+def from_description(d: dict) -> Unrope:
+    """The inverse rope: the same rotation by minus the angle (rope is linear in the angle and a rotation,
+    so rotating by -theta undoes it exactly up to rounding). ``offset`` is the first key's position, or an
+    int array with one position per batch row (see ``at_positions``)."""
+    if "freqs" in d:
+        freqs = mx.array(d["freqs"], dtype=mx.float32)
+        return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=None,
                                                 scale=-1.0, offset=offset, freqs=freqs)
-    raise ValueError(f"unrotated scoring does not support the rope {type(rope).__name__}")
+    return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=d["base"],
+                                            scale=-d["scale"], offset=offset)
+
+
+def inverse(rope) -> Unrope:
+    """The inverse of an mlx rope module."""
+    return from_description(describe(rope))
+
+
+def at_positions(unrope: Unrope, keys: mx.array, pos: mx.array) -> mx.array:
+    """Keys ``[B, H, R, D]`` rotated back each by its own position ``pos`` [B, H, R] (rows kept by a
+    streaming eviction are no longer contiguous): one row per batch entry, each with its offset."""
+    B, H, R, D = keys.shape
+    flat = unrope(keys.reshape(B * H * R, 1, 1, D), pos.reshape(-1).astype(mx.int32))
+    return flat.reshape(B, H, R, D)
+
+
+def required(unrope: Unrope | None, press_name: str) -> Unrope:
+    """``unrope``, or the error that says how a press scoring unrotated keys gets it."""
+    if unrope is None:
+        raise ValueError(f"press {press_name!r} with unrotate=true needs the model's rope: build the cache "
+                         "with nestedkv.make_cache(model, press) or nestedkv.clone(cache, press, model=model)")
+    return unrope
+
+
+def model_rope(model) -> dict | None:
+    """The description (``describe``) of a model's attention rope (its first layer's), or None when it has
+    no rope module."""
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None) or []
+    rope = getattr(getattr(layers[0], "self_attn", None), "rope", None) if layers else None
+    return None if rope is None else describe(rope)
 
 
 def model_unrope(model) -> Unrope | None:
-    """The inverse rope of a model's attention (its first layer's), or None when it has no rope module."""
-    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None) or []
-    rope = getattr(getattr(layers[0], "self_attn", None), "rope", None) if layers else None
-    return None if rope is None else inverse(rope)
+    """The inverse rope of a model's attention, or None when it has no rope module."""
+    d = model_rope(model)
+    return None if d is None else from_description(d)

@@ -12,6 +12,10 @@ Min-max normalization, the tail gaps (head-adaptive weights) and the surprise ga
 stored rows at each eviction: the approximate part. KeyDiff keeps the running anchor too; other presses score
 the stored keys with their own ``score`` (knorm, streaming_llm and random need no history).
 
+A press with ``unrotate`` sees every key rotated back by its own position (``nestedkv.rope``): each chunk
+as it arrives (the anchors and cosines above), and the stored rows, by their original positions, at each
+eviction; a stream that never evicts still scores as the whole context does.
+
 Under adaptive budgets heads keep different counts: the cache hands its rows over padded per head (for the
 time of one eviction), ``valid`` [B, H, R] marks the real ones, and every statistic below ignores the others.
 """
@@ -24,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from nestedkv import scoring
+from nestedkv.rope import at_positions, required
 
 _FEATURES = ("pos", "cos_e", "cos_c")
 EPS = scoring.EPS
@@ -60,15 +65,18 @@ class StreamState:
         self.window = press.window if self.nested else 0
 
     # -- feeding ---------------------------------------------------------------------------------
-    def observe(self, keys: mx.array) -> dict:
+    def observe(self, keys: mx.array, unrope=None) -> dict:
         """Update the running statistics with a new chunk ``[B,H,n,D]``; return the new rows' features (append
-        them with ``append`` once the old rows are evicted). Pending block cosines of stored rows are refreshed."""
+        them with ``append`` once the old rows are evicted). Pending block cosines of stored rows are refreshed.
+        ``unrope``: the model's inverse rope, for a press that scores unrotated keys."""
         B, H, n, _ = keys.shape
         p0 = self.seen
         self.seen += n
         new = {"pos": mx.broadcast_to(mx.arange(p0, p0 + n, dtype=mx.int32), (B, H, n))}
         if not self.anchored:
             return new
+        if self.press.unrotate:
+            keys = required(unrope, self.press.name)(keys, p0)
         ku = _unit(keys.astype(mx.float32))
         total = mx.sum(ku, axis=2, keepdims=True)
         self.g_sum = total if self.g_sum is None else self.g_sum + total
@@ -108,8 +116,10 @@ class StreamState:
         return [a for a in (self.g_sum, self.carry, self.block_keys, *self.rows.values()) if a is not None]
 
     # -- scoring ---------------------------------------------------------------------------------
-    def scores(self, keys: mx.array, valid: Optional[mx.array]) -> mx.array:
+    def scores(self, keys: mx.array, valid: Optional[mx.array], unrope=None) -> mx.array:
         """Scores ``[B,H,R]`` of the stored rows ``keys`` [B,H,R,D]; invalid (padded) rows get -inf."""
+        if self.press.unrotate:
+            keys = at_positions(required(unrope, self.press.name), keys, self.rows["pos"])
         if self.nested:
             s = self._nestedkv(keys, valid)
         elif self.anchored:

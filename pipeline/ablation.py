@@ -37,11 +37,13 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     "keydiff": ("keydiff", "uniform", {}),
     "keydiff adaptive": ("keydiff", "adaptive", {}),
 }
-# The same variants scoring the keys with RoPE undone (nestedkv.rope): does position in the post-RoPE keys
-# blur the block and window anchors?
-VARIANTS.update({f"{name} unrotated": (press, hb, {**params, "unrotate": True})
-                 for name, (press, hb, params) in list(VARIANTS.items())
-                 if name in ("nestedkv", "nestedkv adaptive", "stable only", "block only", "window only", "keydiff")})
+# Where RoPE sits in the score: NestedKV scores keys with the rotation undone by default (nestedkv.rope),
+# so its variants also run post-RoPE (the paper's scoring); KeyDiff, post-RoPE by default, also runs unrotated.
+_ROPE_VARIANTS = {"nestedkv": "post-RoPE", "nestedkv adaptive": "post-RoPE", "stable only": "post-RoPE",
+                  "block only": "post-RoPE", "window only": "post-RoPE", "keydiff": "unrotated"}
+VARIANTS.update({f"{name} {suffix}": (VARIANTS[name][0], VARIANTS[name][1],
+                                      {**VARIANTS[name][2], "unrotate": suffix == "unrotated"})
+                 for name, suffix in _ROPE_VARIANTS.items()})
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_KEPT)
 
 

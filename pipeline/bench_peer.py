@@ -130,7 +130,8 @@ def our_configs(model: str, ratio: float, max_new_tokens: int, methods: Sequence
             out.append(RunConfig(task="qa", model=model, max_new_tokens=max_new_tokens).reference())
         else:
             out.append(RunConfig(task="qa", model=model, press=m.press, compression_ratio=ratio,
-                                 head_budget=m.head_budget, press_params={"n_sink": m.n_sink},
+                                 # kvpress scores the keys as cached, RoPE included
+                                 head_budget=m.head_budget, press_params={"n_sink": m.n_sink, "unrotate": False},
                                  max_new_tokens=max_new_tokens))
     return out
 

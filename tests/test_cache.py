@@ -99,7 +99,7 @@ def test_r0_is_bit_identical_to_kvcache(tiny_model, tokens, arch, press):
 # -- (3) compress scores the whole context ------------------------------------------------------
 def test_key_planted_in_last_chunk_is_kept():
     planted = [1030, 1045, 1060, 1075, 1090]
-    press = NestedKVPress(budget=64)
+    press = NestedKVPress(budget=64, unrotate=False)  # synthetic keys carry no rotation
     c, keys, _ = synthetic_cache(press, 1100, chunk=256, planted=planted)
     c.compress()
     kept = np.array(press.select(keys).indices)
@@ -158,7 +158,7 @@ def test_sinks_survive_with_the_lowest_scores():
 
 @pytest.mark.parametrize("head_budget", ["uniform", "adaptive"])
 def test_nestedkv_rows_are_the_selected_positions_in_order(head_budget):
-    press = NestedKVPress(compression_ratio=0.75, head_budget=head_budget)
+    press = NestedKVPress(compression_ratio=0.75, head_budget=head_budget, unrotate=False)
     c, keys, values = synthetic_cache(press, 700, chunk=300, H=4)
     c.compress()
     sel = press.select(keys)
@@ -214,7 +214,7 @@ def test_question_and_decode_never_evicted_and_rewind(tiny_model, tokens, head_b
 
 
 def test_appends_grow_the_buffer_in_steps_of_256_rows():
-    c, _, _ = synthetic_cache(NestedKVPress(budget=100), 1000)
+    c, _, _ = synthetic_cache(NestedKVPress(budget=100, unrotate=False), 1000)
     c.compress()
     assert c.keys.shape[2] == 100
     shapes = [c.keys.shape[2]]
@@ -540,10 +540,11 @@ def test_gqa_scores_kv_heads_on_every_arch(tiny_model, tokens, arch, head_budget
     for c in cache:
         assert c.padded()[0].shape[:2] == (1, 2) and c.kept.shape == (1, 2)
         assert int(c.kept.sum().item()) == 64
-        if head_budget == "uniform":
+        counts = np.array(c.kept)[0].tolist()
+        if len(set(counts)) == 1:  # uniform, or an adaptive split that came out even: one dense block
             assert c.keys.shape == (1, 2, 32, 16)
         else:
-            assert [k.shape[2] for k in c.head_keys] == np.array(c.kept)[0].tolist()
+            assert [k.shape[2] for k in c.head_keys] == counts
     for _ in range(3):
         logits = model(greedy(logits), cache=cache)
     assert bool(mx.all(mx.isfinite(logits)).item()) and cache[0].offset == 303

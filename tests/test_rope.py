@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, make_cache
-from nestedkv.rope import inverse, model_unrope
+from nestedkv import KeyDiffPress, NestedKVCache, NestedKVPress, NoPress, clone, compress, make_cache
+from nestedkv.rope import describe, inverse, model_unrope
 from nestedkv.selection import select
 from tiny import feed as prefill
 
@@ -85,13 +85,23 @@ def test_cache_scores_unrotated_keys_and_keeps_the_rotated_ones(tiny_model, toke
             np.testing.assert_array_equal(np.array(k[0, h, :n]), np.array(keys[0, h][mx.array(idx[h, :n])]))
 
 
-def test_clone_of_a_loaded_cache_needs_the_model(tiny_model, tokens):
+def test_a_saved_cache_keeps_the_rope_and_a_cache_without_one_asks_for_the_model(tiny_model, tokens, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
     model = tiny_model("llama")
     full = make_cache(model, NoPress())
     prefill(model, full, tokens(200), 100)
+    path = str(tmp_path / "full.safetensors")
+    save_prompt_cache(path, full)
+    press = KeyDiffPress(budget=30)
+    want = clone(full, press)
+    compress(want)
+    got = clone(load_prompt_cache(path), press)  # no model given: the file kept its rope
+    compress(got)
+    for a, b in zip(want, got):
+        assert mx.array_equal(a.keys, b.keys).item() and b.stored == 30
     for c in full:
-        c.unrope = None  # as after load_prompt_cache
-    press = KeyDiffPress(budget=30, unrotate=True)
+        c.rope_spec = None  # a cache built without the model (NestedKVCache(press) by hand)
     with pytest.raises(ValueError, match="needs the model's rope"):
         compress(clone(full, press))
     bound = clone(full, press, model=model)
@@ -99,14 +109,81 @@ def test_clone_of_a_loaded_cache_needs_the_model(tiny_model, tokens):
     assert all(c.stored == 30 for c in bound)
 
 
-def test_unrotate_keeps_earlier_hashes_and_refuses_streaming():
-    assert "unrotate" not in json.loads(NestedKVPress().to_json())  # runs stored before it keep their hash
-    assert json.loads(NestedKVPress(unrotate=True).to_json())["unrotate"] is True
-    assert NestedKVPress.from_json(NestedKVPress(unrotate=True).to_json()).unrotate
-    with pytest.raises(ValueError, match="prefill='whole' only"):
-        KeyDiffPress(compression_ratio=0.5, unrotate=True, prefill="streaming")
+def test_unrotate_is_the_default_of_the_direction_scorers_and_earlier_runs_keep_their_meaning():
+    from pipeline.config import RunConfig
+
+    assert NestedKVPress().unrotate and KeyDiffPress().unrotate and not NoPress().unrotate
+    assert json.loads(NestedKVPress().to_json())["unrotate"] is True  # a new hash for the new default
+    assert "unrotate" not in json.loads(NestedKVPress(unrotate=False).to_json())  # runs stored before it keep theirs
+    stored = json.loads(NestedKVPress(unrotate=False).to_json())
+    assert NestedKVPress.from_json(json.dumps(stored)).unrotate is False  # stored without it: post-RoPE
+    assert NestedKVPress.from_json(NestedKVPress().to_json()) == NestedKVPress()
+    # the run hash: the default hashes as an explicit true did, an explicit false as no parameter did
+    run = lambda **params: RunConfig(task="qa", press="keydiff", compression_ratio=0.75, press_params=params)  # noqa: E731
+    assert run().config_hash() == run(unrotate=True).config_hash() != run(unrotate=False).config_hash()
+    assert json.loads(run(unrotate=False).canonical_json())["press_params"] == {}
+    assert json.loads(run().canonical_json())["press_params"] == {"unrotate": True}
     with pytest.raises(ValueError, match="unrotate must be true or false"):
         KeyDiffPress(unrotate="yes")
+
+
+def _rotated_stream(press, x, rope, chunk):
+    """A streaming cache fed ``x`` [1, H, N, D] rotated by ``rope`` in chunks (keys double as values)."""
+    c = NestedKVCache(press, context_len=x.shape[2])
+    c.rope_spec = describe(rope) if press.unrotate else None
+    for i in range(0, x.shape[2], chunk):
+        k = rope(x[..., i : i + chunk, :], offset=i) if press.unrotate else x[..., i : i + chunk, :]
+        c.update_and_fetch(k, k)
+    c.compress()
+    return c
+
+
+@pytest.mark.parametrize("head_budget", ["uniform", "adaptive"])
+@pytest.mark.parametrize("make", [NestedKVPress, KeyDiffPress])
+def test_streaming_unrotated_scores_the_content_of_each_kept_key(make, head_budget):
+    # Rotated keys scored unrotated keep exactly the rows the content keys keep when scored as they are,
+    # through evictions of rows that are no longer contiguous; the cache still holds the rotated keys.
+    rng = np.random.default_rng(3)
+    N, H, D = 900, 2, 16
+    x = mx.array((rng.standard_normal((1, H, N, D)) + rng.standard_normal(D)).astype(np.float32))
+    rope = nn.RoPE(D, base=10000.0)
+    kw = dict(budget=96, head_budget=head_budget, prefill="streaming")
+    rotated = _rotated_stream(make(**kw, unrotate=True), x, rope, 160)
+    plain = _rotated_stream(make(**kw, unrotate=False), x, rope, 160)
+    assert rotated.stream is None and rotated.kept is not None
+    np.testing.assert_array_equal(np.array(rotated.kept), np.array(plain.kept))
+    k_rot, _, valid = rotated.padded()
+    k_plain, _, _ = plain.padded()
+    for h in range(H):
+        n = int(np.array(rotated.kept)[0, h])
+        pos = _positions_of(np.array(k_plain[0, h, :n]), np.array(x[0, h]))
+        assert len(pos) == n < N and (np.diff(pos) > 0).all()
+        want = np.array(rope(x, offset=0)[0, h])[pos]  # the model's rotated keys at the kept positions
+        np.testing.assert_allclose(np.array(k_rot[0, h, :n]), want, atol=1e-5)
+
+
+def _positions_of(rows, keys):
+    return [int(np.flatnonzero((keys == r).all(axis=1))[0]) for r in rows]
+
+
+def test_streaming_unrotate_needs_the_rope():
+    press = NestedKVPress(budget=32, prefill="streaming")
+    c = NestedKVCache(press, context_len=200)
+    with pytest.raises(ValueError, match="unrotate=true needs the model's rope"):
+        c.update_and_fetch(mx.zeros((1, 2, 100, 16)), mx.zeros((1, 2, 100, 16)))
+
+
+def test_every_rope_kind_is_undone_by_position_too():
+    from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE
+    from nestedkv.rope import at_positions
+
+    x = mx.random.normal((1, 2, 40, 16), key=mx.random.key(1))
+    pos = mx.broadcast_to(mx.arange(7, 47), (1, 2, 40))
+    for rope in (YarnRoPE(16, scaling_factor=4.0, mscale_all_dim=0.5),
+                 SuScaledRoPE(16, short_factor=[1.0] * 8, long_factor=[2.0] * 8)):
+        back = np.array(at_positions(inverse(rope), rope(x, offset=7), pos))
+        cos = (back * np.array(x)).sum(-1) / np.linalg.norm(back, axis=-1) / np.linalg.norm(np.array(x), axis=-1)
+        assert cos.min() > 0.9999  # the direction is back; a constant magnitude factor may stay
 
 
 def test_rotation_effect_tells_position_from_content():

@@ -184,7 +184,7 @@ def test_streaming_nestedkv_anchors_equal_a_numpy_reference():
     rng = np.random.default_rng(0)
     N, H, D = 1500, 2, 16
     keys = mx.array((rng.standard_normal((1, H, N, D)) + 1.5 * rng.standard_normal(D)).astype(np.float32))
-    press = NestedKVPress(budget=100, prefill="streaming")
+    press = NestedKVPress(budget=100, prefill="streaming", unrotate=False)  # raw keys, no rope
     c = NestedKVCache(press, context_len=N)
     for start in (0, 300, 700, 1000):  # uneven chunks, straddling blocks of 128
         stop = {0: 300, 300: 700, 700: 1000, 1000: 1200}[start]
@@ -207,7 +207,7 @@ def test_streaming_nestedkv_anchors_equal_a_numpy_reference():
 def test_streaming_scores_equal_whole_scores_when_nothing_was_evicted():
     rng = np.random.default_rng(1)
     keys = mx.array((rng.standard_normal((1, 3, 700, 16)) + rng.standard_normal(16)).astype(np.float32))
-    press = NestedKVPress(compression_ratio=0.5)
+    press = NestedKVPress(compression_ratio=0.5, unrotate=False)
     s = StreamState(press, 700)
     for i in range(0, 700, 160):
         s.append(s.observe(keys[..., i : i + 160, :]))
@@ -233,7 +233,7 @@ def test_save_load_in_the_middle_of_a_streaming_prefill(tiny_model, tokens, tmp_
     assert all(c.stream.evicted for c in cache)
     path = str(tmp_path / "mid.safetensors")
     save_prompt_cache(path, cache)
-    loaded = load_prompt_cache(path)
+    loaded = load_prompt_cache(path)  # with the model's rope: unrotated scoring goes on
     for caches in (cache, loaded):
         feed(model, caches, toks[600:], 200)
         compress(caches)

@@ -151,11 +151,12 @@ def test_calibration_excludes_cells_below_the_threshold():
 
 
 def test_suite_ablation_variants_can_be_chosen():
-    opts = suite.SuiteOptions(ratios=(0.75,), variants=("block only", "window only unrotated"))
+    opts = suite.SuiteOptions(ratios=(0.75,), variants=("block only", "window only post-RoPE"))
     got = sorted(opts.ablation_configs().values())
-    assert got == ["block only", "nestedkv", "window only unrotated"]  # with the full method to pair against
-    assert [c.press_params for c, n in opts.ablation_configs().items() if n == "window only unrotated"] == \
-        [{"scales": [False, False, True], "unrotate": True}]
+    assert got == ["block only", "nestedkv", "window only post-RoPE"]  # with the full method to pair against
+    assert [c.press_params for c, n in opts.ablation_configs().items() if n == "window only post-RoPE"] == \
+        [{"scales": [False, False, True], "unrotate": False}]
+    assert [c.make_press().unrotate for c, n in opts.ablation_configs().items() if n == "block only"] == [True]
     with pytest.raises(ValueError, match="variants: unknown \\['keydiff'\\]"):
         suite.SuiteOptions(variants=("keydiff",))  # a baseline, not a NestedKV variant
 
@@ -188,7 +189,7 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
             JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
             JOIN suite_questions s ON s.doc_id = o.doc_id AND s.question_idx = o.question_idx
             WHERE e.metric = 'recall' GROUP BY ALL ORDER BY ALL""").to_pylist()
-    # nestedkv: the method and its 8 other ablation variants, and 5 of them scoring unrotated keys
+    # nestedkv: the method and its 8 other ablation variants, and 5 of them scoring post-RoPE keys
     runs = {"keydiff": 1, "nestedkv": 14, "no_press": 1}
     assert got == [{"press": p, "task": t, "n": n * runs[p]} for p in runs
                    for t, n in (("niah_single", 3), ("variable_tracking", 2))]

@@ -36,7 +36,7 @@ def suite(
     ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="NestedKV's per-scale variants on the "
                                   "long documents"),
     variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated subset of those variants "
-                                           "(default: all, e.g. 'block only,window only unrotated')"),
+                                           "(default: all, e.g. 'block only,window only post-RoPE')"),
     summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
                                   "summaries are compared with the uncompressed one"),
     austen: Optional[str] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
