@@ -86,6 +86,7 @@ def spec_function(name: str, doc: str, params: SpecParameters, body: Callable[..
         return body({k: v for k, v in kwargs.items() if k not in own}, **{k: kwargs[k] for k in own if k in kwargs})
 
     fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = body.__module__  # a deployment's entrypoint: <module of the flow>.<name>
     fn.__doc__ = doc
     return with_signature(fn, [*before, *params.parameters(), *after])
 

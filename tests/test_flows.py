@@ -251,3 +251,13 @@ def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
     assert ONE.arguments(spec)["options"].repetition_context_size == 16
     assert "repetition_context_size" not in RunConfig().canonical_json()  # hashed as before the field existed
     assert RunConfig(repetition_context_size=16).config_hash() != RunConfig().config_hash()
+
+
+def test_generated_flows_are_importable_where_deployments_look_for_them():
+    """A deployment imports <fn.__module__>.<fn.__name__>: the generated functions must name their own module."""
+    import importlib
+
+    from flows.sharded import sharded_batch
+
+    for f in (summarize_batch, qa_batch, budget_sweep, sharded_batch):
+        assert getattr(importlib.import_module(f.fn.__module__), f.fn.__name__) is f
