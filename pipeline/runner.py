@@ -12,13 +12,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 import nestedkv
-from pipeline.config import RunConfig
+from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.prompts import build_prompt, encode, question_text
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 
 Progress = Callable[[int, int], None]
-REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
 
 
 @dataclass
@@ -49,10 +48,11 @@ def prefill(model, cache, ids: list[int], step: int, on_progress: Optional[Progr
             on_progress(min(start + step, n), n)
 
 
-def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float) -> mx.array:
+def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float,
+                     context: int = REPETITION_CONTEXT) -> mx.array:
     """mlx-lm's repetition penalty (``make_repetition_penalty``) on every row of ``logits`` [B, vocab] at once,
-    each row with the last ``REPETITION_CONTEXT`` tokens of its own history; the same values, row by row."""
-    recent = [h[-REPETITION_CONTEXT:] for h in histories]
+    each row with the last ``context`` tokens of its own history; the same values, row by row."""
+    recent = [h[-context:] for h in histories]
     if not all(recent):
         raise ValueError("every row needs a history (its question's tokens at least)")
     width = max(map(len, recent))
@@ -77,10 +77,9 @@ class Runner:
         self.max_context = max_context
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
-        penalty = config.repetition_penalty
-        self.penalty = penalty if penalty and penalty != 1.0 else None
+        self.penalty = config.penalty()  # (penalty, context) or None
         self.logits_processors = (
-            make_logits_processors(repetition_penalty=penalty, repetition_context_size=REPETITION_CONTEXT)
+            make_logits_processors(repetition_penalty=self.penalty[0], repetition_context_size=self.penalty[1])
             if self.penalty
             else None
         )
@@ -315,7 +314,7 @@ class Runner:
         """The greedy next token of each row of ``logits`` [B, vocab] after its history (question and
         generated tokens), penalized as mlx-lm's generate_step does with ``self.logits_processors``."""
         if self.penalty:
-            logits = penalize_repeats(logits, histories, self.penalty)
+            logits = penalize_repeats(logits, histories, *self.penalty)
         nxt = mx.argmax(logits, axis=-1)
         mx.eval(nxt)
         return [int(t) for t in nxt.tolist()]

@@ -275,3 +275,29 @@ def test_a_flow_run_whose_documents_were_not_all_stored_ends_failed(tmp_path, ti
     again = summarize_batch(input=inp, model=TINY_NAME, db=db, options=options, return_state=True)
     assert again.is_completed() and (again.result().n_ok, again.result().n_skipped) == (2, 1)
     assert rows(db, "SELECT doc_id FROM outputs ORDER BY doc_id") == [{"doc_id": f"doc-{i}"} for i in range(3)]
+
+
+def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
+    """--repetition-context-size is declared once (GenerationSettings): the CLI option, the flow's options,
+    the configuration and the runner's penalty follow, and at its default the stored hash is the old one."""
+    from flows.cli.spec import build
+    from flows.params import ONE
+    from pipeline.config import RunConfig
+
+    press = {"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
+             "prefill": "whole", "press_param": None, "kv_bits": None, "kv_group_size": "64"}
+    spec = build(press, {"repetition_context_size": 16}, input="x.parquet")
+    assert spec.config().repetition_context_size == 16 and spec.config().penalty() == (1.1, 16)
+    assert ONE.arguments(spec)["options"].repetition_context_size == 16
+    assert "repetition_context_size" not in RunConfig().canonical_json()  # hashed as before the field existed
+    assert RunConfig(repetition_context_size=16).config_hash() != RunConfig().config_hash()
+
+
+def test_generated_flows_are_importable_where_deployments_look_for_them():
+    """A deployment imports <fn.__module__>.<fn.__name__>: the generated functions must name their own module."""
+    import importlib
+
+    from flows.sharded import sharded_batch
+
+    for f in (summarize_batch, qa_batch, budget_sweep, sharded_batch):
+        assert getattr(importlib.import_module(f.fn.__module__), f.fn.__name__) is f
