@@ -1,6 +1,6 @@
 """Prefect's overhead per document: the batch flow against ``pipeline.batch.run_batch`` on the same input.
 
-    python -m flows.bench_overhead [--input data/sample_batch.parquet] [--model smollm2-135m] [--max-new-tokens 16]
+    nkv bench prefect [--input data/sample_batch.parquet] [--model smollm2-135m] [--max-new-tokens 16]
 
 Every timed run writes a fresh DuckDB file (no resume), with the model already loaded. Two measurements:
 the real model (what a user pays, noisy by the model's own run-to-run variation), and a no-op runner that
@@ -9,13 +9,12 @@ first flow call of a process also starts Prefect's temporary local server; that 
 apart from the per-document figure.
 """
 
-import argparse
 import json
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
-import nestedkv
 from pipeline.bench import timed as _timed
 
 
@@ -103,33 +102,24 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
     }
 
 
-def main(argv=None) -> None:
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--input", default="data/sample_batch.parquet")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs of each kind; the fastest counts")
-    ap.add_argument("--no-model-runs", action="store_true", help="only the no-op runner measurements")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = ap.parse_args(argv)
+def run(input: str = "data/sample_batch.parquet", model: str = "smollm2-135m", max_new_tokens: int = 16,
+        repeats: int = 1, model_runs: bool = True, as_json: bool = False,
+        log: Callable[[str], None] = print) -> dict:
+    """``measure`` in a temporary folder, through ``log`` as a table with its reading (or one JSON object).
+    ``repeats``: timed runs of each kind, the fastest counts; ``model_runs`` False: the no-op runner only."""
     with tempfile.TemporaryDirectory(prefix="nkv-bench-") as tmp:
-        out = measure(args.input, args.model, args.max_new_tokens, args.repeats, Path(tmp),
-                      with_model=not args.no_model_runs)
-    if args.json:
-        print(json.dumps(out))
-        return
+        out = measure(input, model, max_new_tokens, repeats, Path(tmp), with_model=model_runs)
+    if as_json:
+        log(json.dumps(out))
+        return out
     width = max(map(len, out))
     for k, v in out.items():
-        print(f"{k:<{width}}  {v}")
-    print(f"\nPrefect's cost without model work: {out['noop_overhead_per_doc_s'] * 1000:.0f} ms per document "
-          f"({out['noop_task_overhead_per_doc_s'] * 1000:.0f} ms per task, measured over "
-          f"{out['noop_task_overhead_docs']} documents, + {out['flow_fixed_s']:.2f} s per flow run / {out['documents']}), and {out['prefect_server_start_s']:.1f} s once per process for the "
-          f"temporary server.")
+        log(f"{k:<{width}}  {v}")
+    log(f"\nPrefect's cost without model work: {out['noop_overhead_per_doc_s'] * 1000:.0f} ms per document "
+        f"({out['noop_task_overhead_per_doc_s'] * 1000:.0f} ms per task, measured over "
+        f"{out['noop_task_overhead_docs']} documents, + {out['flow_fixed_s']:.2f} s per flow run / {out['documents']}), and {out['prefect_server_start_s']:.1f} s once per process for the "
+        f"temporary server.")
     if out["overhead_per_doc_s"] is not None:
-        print(f"With the model: {out['overhead_per_doc_s'] * 1000:.0f} ms per document (flow minus direct, fastest "
-              f"of {out['repeats']} each; compare with the spread of the direct runs).")
-
-
-if __name__ == "__main__":
-    main()
+        log(f"With the model: {out['overhead_per_doc_s'] * 1000:.0f} ms per document (flow minus direct, fastest "
+            f"of {out['repeats']} each; compare with the spread of the direct runs).")
+    return out

@@ -1,27 +1,23 @@
-"""Micro-benchmarks: BLAS GEMM speed, scoring+selection per layer, and (with --model) prefill, compress and decode.
+"""Micro-benchmarks: BLAS GEMM speed, scoring+selection per layer, and (with a model) prefill, compress and decode.
 
-    python -m nestedkv.bench [--model DIR] [--context 4096] [--new-tokens 32] [--out FILE.json]
+    nkv bench kernels [--model smollm2-135m] [--context 4096] [--new-tokens 32] [--out FILE.json]
 
-The model is an mlx-lm directory (nestedkv never imports pipeline, so it takes no model names).
+``run`` takes an mlx-lm directory (nestedkv never imports pipeline, so it takes no model names; the CLI
+resolves them). It loads mlx: the caller enables the CPU fast path first (``nkv`` does).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
-import nestedkv
-
-if __name__ == "__main__":  # the CPU opt-in, before mlx loads (it binds its BLAS then)
-    nestedkv.enable_cpu_fast_path()
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, layer_stats, make_cache
 from nestedkv._platform import AVX2, AVX512, blas_info, cpu_cores, read_cpuinfo
@@ -106,10 +102,11 @@ def bench_blas(n: int = 2048) -> dict:
 
 def bench_scoring(sizes=SIZES, repeats: int = 3, heads: int = 8, head_dim: int = 128) -> list[dict]:
     """Best seconds of score + select (mx.eval inside) for one layer's keys [1, heads, N, head_dim]."""
+    # Random keys carry no rotation to undo (and no model gives a rope): scored as they are.
     presses = {
-        "nestedkv": NestedKVPress(compression_ratio=0.75),
-        "nestedkv_adaptive": NestedKVPress(compression_ratio=0.75, head_budget="adaptive"),
-        "keydiff": KeyDiffPress(compression_ratio=0.75),
+        "nestedkv": NestedKVPress(compression_ratio=0.75, unrotate=False),
+        "nestedkv_adaptive": NestedKVPress(compression_ratio=0.75, head_budget="adaptive", unrotate=False),
+        "keydiff": KeyDiffPress(compression_ratio=0.75, unrotate=False),
     }
     rows = []
     for n in sizes:
@@ -311,37 +308,26 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nestedkv.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="an mlx-lm model directory (config.json + safetensors)")
-    p.add_argument("--context", type=int, default=4096, help="context tokens to prefill (default 4096)")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy decode steps per configuration")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
-    p.add_argument("--text", help="a UTF-8 text file for the context (default: a built-in paragraph, repeated)")
-    p.add_argument("--random-tokens", action="store_true", help="random token ids instead of tokenized text")
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="scoring sizes N, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per scoring size (after two warm-ups)")
-    p.add_argument("--out", type=Path, help="also write the results as JSON here")
-    a = p.parse_args(argv)
-    if a.context < 8 or a.new_tokens < 1 or a.chunk < 1:
-        p.error("--context must be >= 8, --new-tokens and --chunk >= 1")
-    if a.model is not None and not (a.model / "config.json").exists():
-        p.error(f"--model {a.model}: not an mlx-lm directory (no config.json)")
-    sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
+def run(model: Optional[Path] = None, context: int = 4096, new_tokens: int = 32, chunk: int = 512,
+        text: Optional[str] = None, random_tokens: bool = False, sizes: Sequence[int] = SIZES, repeats: int = 3,
+        out: Optional[Path] = None, log: Callable[[str], None] = print) -> dict:
+    """Every part above, reported through ``log`` (and written to ``out`` as JSON). ``model``: an mlx-lm
+    directory for the model part (none: BLAS and scoring only). Bad arguments raise ValueError before any work."""
+    if context < 8 or new_tokens < 1 or chunk < 1:
+        raise ValueError("--context must be >= 8, --new-tokens and --chunk >= 1")
+    model = Path(model) if model is not None else None
+    if model is not None and not (model / "config.json").exists():
+        raise ValueError(f"--model {model}: not an mlx-lm directory (no config.json)")
 
-    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "repeats": a.repeats}
-    out["blas"] = bench_blas()
-    if out["blas"]["warning"]:
-        print(out["blas"]["warning"], file=sys.stderr)
-    out["scoring"] = bench_scoring(sizes, a.repeats)
-    if a.model is not None:
-        out["model_run"] = bench_model(a.model, a.context, a.new_tokens, a.chunk, a.text, a.random_tokens)
-    print(report(out))
-    if a.out:
-        a.out.write_text(json.dumps(out, indent=2))
-        print(f"\nwrote {a.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    res = {"device": str(mx.default_device()), "mlx": mx.__version__, "repeats": repeats}
+    res["blas"] = bench_blas()
+    if res["blas"]["warning"]:
+        print(res["blas"]["warning"], file=sys.stderr)
+    res["scoring"] = bench_scoring(list(sizes), repeats)
+    if model is not None:
+        res["model_run"] = bench_model(model, context, new_tokens, chunk, text, random_tokens)
+    log(report(res))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=2))
+        log(f"\nwrote {out}")
+    return res

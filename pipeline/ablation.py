@@ -6,12 +6,11 @@ and scored against the same uncompressed reference as ``nkv eval``: an evaluatio
 (``pipeline.engine``), with the ``gold_kept`` metric. The result is a table. The variants use the method's fixed constants: this is a
 diagnosis, not a search over constants.
 
-    python -m pipeline.ablation --input data/eval_set.parquet --compression-ratio 0.75,0.9 [--out reports/ablation.md]
+    nkv ablation --input data/eval_set.parquet --compression-ratio 0.75,0.9 [--out reports/ablation.md]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import tempfile
@@ -19,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import nestedkv
 from pipeline.config import RunConfig
 from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_L, TOP1
 
@@ -59,6 +57,12 @@ def variant_configs(base: RunConfig, names: list[str], ratios: list[float]) -> d
     return out
 
 
+def check_variants(names: list[str]) -> None:
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+
+
 def ablate(
     input: str,
     ratios: list[float],
@@ -78,9 +82,7 @@ def ablate(
     from pipeline.store import Store
 
     names = variants or list(VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    check_variants(names)
     base = RunConfig(task="qa", model=model, press="no_press", compression_ratio=0.0,
                      max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size)
     configs = variant_configs(base, names, ratios)
@@ -152,33 +154,12 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", default="data/eval_set.parquet")
-    p.add_argument("--compression-ratio", default="0.75,0.9")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--limit", type=int, default=None, help="only the first N documents")
-    p.add_argument("--out", default=None, help="also write the table as markdown here")
-    a = p.parse_args(argv)
-    ratios = [float(x) for x in a.compression_ratio.split(",") if x.strip()]
-    rows, per_q = ablate(a.input, ratios, [v.strip() for v in a.variants.split(",") if v.strip()], a.model,
-                         a.max_new_tokens, limit=a.limit)
-    md = to_markdown(rows)
+def summary_text(rows: list[dict], per_q: dict, ratios: list[float]) -> str:
+    """The table, then each variant against KeyDiff at each ratio, question by question (correct)."""
     pairs = []
     for r in ratios:
         for name in VARIANTS:
             if name != "keydiff" and any(k[0] == name for k in per_q) and any(k[0] == "keydiff" for k in per_q):
                 w, l, t = paired(per_q, (name, r), ("keydiff", r))
                 pairs.append(f"- r={r:.2f} {name} vs keydiff (correct): {w} better, {l} worse, {t} same")
-    text = md + "\n\n" + "\n".join(pairs) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
-
-
-if __name__ == "__main__":
-    main()
+    return to_markdown(rows) + "\n\n" + "\n".join(pairs) + "\n"

@@ -1,6 +1,6 @@
 """How much of a batch's wall time is not model compute (loading, validation, tokenization, store).
 
-    python -m pipeline.bench [--input data/sample_batch.parquet] [--task qa] [--max-new-tokens 32]
+    nkv bench overhead [--input data/sample_batch.parquet] [--task qa] [--max-new-tokens 32]
 
 Model compute is what the runner times per document (prefill, compress, question prefill and
 decode); everything else in ``engine.run`` (model load included, as in a real first run) is overhead.
@@ -8,13 +8,12 @@ decode); everything else in ``engine.run`` (model load included, as in a real fi
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
-import nestedkv
 from pipeline.config import RunConfig
 from pipeline.engine import run
 
@@ -26,24 +25,18 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def main(argv=None) -> dict:
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--input", default="data/sample_batch.parquet")
-    ap.add_argument("--task", default="qa", choices=["qa", "summarize"])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--press", default="nestedkv")
-    ap.add_argument("--compression-ratio", type=float, default=0.75)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=None, help="also write the figures as JSON")
-    a = ap.parse_args(argv)
-    cfg = {"task": a.task, "press": a.press, "compression_ratio": a.compression_ratio, "max_new_tokens": a.max_new_tokens}
-    if a.model:
-        cfg["model"] = a.model
+def run_overhead(input: str = "data/sample_batch.parquet", task: str = "qa", model: Optional[str] = None,
+                 press: str = "nestedkv", compression_ratio: float = 0.75, max_new_tokens: int = 32,
+                 out: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
+    """One batch through ``engine.run`` into a temporary store, its wall time split into model compute and the
+    rest; the figures through ``log`` (and to ``out`` as JSON). ``model`` None: the configuration's default."""
+    cfg = {"task": task, "press": press, "compression_ratio": compression_ratio, "max_new_tokens": max_new_tokens}
+    if model:
+        cfg["model"] = model
     config = RunConfig(**cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        summary = run(a.input, [config], str(Path(tmp) / "bench.duckdb"))
+        summary = run(input, [config], str(Path(tmp) / "bench.duckdb"))
         results = [o.result for o in summary.outcomes]
         wall = time.perf_counter() - t0
     prefill = sum(r.prefill_s for r in results)
@@ -61,15 +54,11 @@ def main(argv=None) -> dict:
         "overhead_s": round(wall - compute, 2),
         "overhead_share": round((wall - compute) / wall, 4),
     }
-    print(f"{figures['documents']} documents, {figures['context_tokens']} context tokens, "
-          f"{figures['generated_tokens']} generated tokens")
-    print(f"wall {wall:.1f} s = prefill {prefill:.1f} + compress {compress:.2f} + question/decode {decode:.1f} "
-          f"+ other {wall - compute:.1f} s")
-    print(f"share of wall time not in model compute: {100 * figures['overhead_share']:.2f}% (target < 5%)")
-    if a.out:
-        Path(a.out).write_text(json.dumps(figures, indent=2))
+    log(f"{figures['documents']} documents, {figures['context_tokens']} context tokens, "
+        f"{figures['generated_tokens']} generated tokens")
+    log(f"wall {wall:.1f} s = prefill {prefill:.1f} + compress {compress:.2f} + question/decode {decode:.1f} "
+        f"+ other {wall - compute:.1f} s")
+    log(f"share of wall time not in model compute: {100 * figures['overhead_share']:.2f}% (target < 5%)")
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2))
     return figures
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Quantized KV against mlx-lm's own and against the model's dtype: answers and decode speed.
 
-    python -m pipeline.bench_quant [--input data/eval_set.parquet] [--docs 6] [--max-new-tokens 24]
+    nkv bench quant [--input data/eval_set.parquet] [--docs 6] [--max-new-tokens 24]
         [--speed-docs 1] [--decode-tokens 64] [--out FIGURES.json]
 
 1. For the first ``--docs`` documents, every question answered (greedy, one at a time) from ``NoPress(kv_bits=8)``
@@ -14,10 +14,10 @@ Accuracy and resident bytes come from ``nkv eval`` with ``--kv-bits`` (see the R
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from pipeline.config import DEFAULT_MODEL, RunConfig
 
@@ -110,34 +110,24 @@ def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
     return out
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench_quant", description=__doc__.splitlines()[0])
-    ap.add_argument("--input", default="data/eval_set.parquet")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--docs", type=int, default=6, help="documents for the mlx-lm comparison (0: skip)")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--speed-docs", type=int, default=1, help="documents for the speed figures (0: skip)")
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--out", default=None, help="also write the figures as JSON")
-    a = ap.parse_args(argv)
-
+def run(input: str = "data/eval_set.parquet", model: str = DEFAULT_MODEL, docs: int = 6, max_new_tokens: int = 24,
+        speed_docs: int = 1, decode_tokens: int = 64, out: Optional[str] = None,
+        log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
+    """Both parts (``docs`` or ``speed_docs`` 0: that part skipped), each figure through ``log`` as it comes
+    (and all of them to ``out`` as JSON)."""
     from pipeline.documents import load_documents
     from pipeline.engine import make_runner
 
-    runner = make_runner(RunConfig(task="qa", model=a.model, max_new_tokens=a.max_new_tokens))
-    docs, _ = load_documents(a.input)
-    figures = {"input": a.input, "model": a.model, "max_new_tokens": a.max_new_tokens}
-    if a.docs:
-        figures["mlx_lm_8bit"] = compare_with_mlx_lm(runner, docs[: a.docs])
-        print(json.dumps(figures["mlx_lm_8bit"]), flush=True)
-    if a.speed_docs:
-        figures["speed"] = decode_speed(runner, docs[: a.speed_docs], a.decode_tokens)
+    runner = make_runner(RunConfig(task="qa", model=model, max_new_tokens=max_new_tokens))
+    loaded, _ = load_documents(input)
+    figures = {"input": input, "model": model, "max_new_tokens": max_new_tokens}
+    if docs:
+        figures["mlx_lm_8bit"] = compare_with_mlx_lm(runner, loaded[:docs])
+        log(json.dumps(figures["mlx_lm_8bit"]))
+    if speed_docs:
+        figures["speed"] = decode_speed(runner, loaded[:speed_docs], decode_tokens)
         for row in figures["speed"]:
-            print(json.dumps(row), flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(figures, indent=2))
+            log(json.dumps(row))
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2))
     return figures
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Synthetic long-context tasks after RULER (Hsieh et al., 2024), on Jane Austen's prose, sized in model tokens.
 
-    python -m pipeline.tasks --out suite.parquet [--size quick|small|standard] [--model smollm2-135m]
+    nkv tasks --out suite.parquet [--size quick|small|standard] [--model smollm2-135m]
 
 Every document is one task at one target length (tokens of the model's tokenizer, counted by a function the
 caller passes in), with several questions, so one compressed context answers many. The tasks follow RULER's
@@ -34,11 +34,9 @@ tasks or lengths yields the same documents as the full set.
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import string
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -534,28 +532,3 @@ def token_counter(tokenizer) -> TokenCounter:
     from pipeline.prompts import encode
 
     return lambda text: len(encode(tokenizer, text))
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="Parquet file to write")
-    ap.add_argument("--size", choices=sorted(SIZES), default="standard")
-    ap.add_argument("--lengths", type=int, nargs="+", help="target tokens (overrides the size's)")
-    ap.add_argument("--per-task", type=int, help="documents per task and length (overrides the size's)")
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="smollm2-135m", help="whose tokenizer counts the tokens")
-    ap.add_argument("--austen", type=Path, help="folder with the Austen .txt files")
-    args = ap.parse_args(argv)
-    from pipeline.models import load_model
-
-    size = SIZES[args.size]
-    rows = generate(token_counter(load_model(args.model)[1]), args.lengths or size.lengths,
-                    args.per_task or size.per_task, args.seed, args.tasks, args.austen)
-    write(rows, args.out)
-    print(f"{args.out}: {len(rows)} documents, {sum(len(r['questions']) for r in rows)} questions")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -203,3 +203,30 @@ def test_teacher_forcing_rows_match_step_by_step_decoding():
     for t in answer[:-1]:
         steps.append(model(mx.array([[t]], dtype=mx.int32), cache=cache)[0, -1])
     np.testing.assert_allclose(forced, np.array(mx.stack(steps).astype(mx.float32)), rtol=1e-4, atol=1e-4)
+
+
+def test_cli_ablation_prints_and_writes_its_table(monkeypatch, tmp_path):
+    """``nkv ablation``: the table of every (variant, ratio) and the pairing against KeyDiff."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tiny import TINY_NAME, use_tiny_model
+
+    import pyarrow as pa
+
+    data = str(tmp_path / "in.parquet")  # short: the byte tokenizer's tokens must fit the tiny model's window
+    pq.write_table(pa.Table.from_pylist([{"doc_id": "d", "text": "The lamp was lit. " * 40 + "The code is 4711. "
+                                          + "The rain fell. " * 40, "questions": ["What is the code?", "What fell?"],
+                                          "answers": ["4711", "rain"]}]), data)
+    out = tmp_path / "ablation.md"
+    args = ["ablation", "--input", data, "--limit", "1", "--model", TINY_NAME,
+            "--variants", "block only,keydiff", "--compression-ratio", "0.5", "--max-new-tokens", "2", "--out", str(out)]
+    with use_tiny_model(monkeypatch):
+        res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "| no_press | 0.00 | 2 |" in text and "| block only | 0.50 | 2 |" in text
+    assert "- r=0.50 block only vs keydiff (correct):" in text and text.strip() in res.output
+    res = CliRunner().invoke(app, [*args, "--variants", "bogus"])
+    assert res.exit_code == 2 and "bogus" in res.output

@@ -217,3 +217,22 @@ def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):
     assert "No cell passed calibration" in res.output
     res = CliRunner().invoke(app, [*args, "--tasks", "niah_single,bogus"])
     assert res.exit_code == 2 and "tasks" in res.output and "bogus" in res.output
+
+
+def test_cli_tasks_writes_what_generate_makes(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    out = tmp_path / "t.parquet"
+    args = ["tasks", "--out", str(out), "--model", TINY_NAME, "--lengths", "768", "--tasks", "two_hop,niah_single",
+            "--per-task", "1", "--seed", "3"]
+    with use_tiny_model(monkeypatch):
+        res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert f"{out}: 2 documents, 5 questions" in res.output
+    assert pq.read_table(out).to_pylist() == tasks.generate(COUNT, (768,), 1, 3, ("two_hop", "niah_single"))
+    with use_tiny_model(monkeypatch):
+        res = CliRunner().invoke(app, [*args, "--tasks", "bogus"])
+    assert res.exit_code == 2 and "bogus" in res.output
+    assert CliRunner().invoke(app, ["tasks", "--out", str(out), "--size", "huge"]).exit_code == 2

@@ -1,10 +1,11 @@
 """The ``nkv`` command line: one typer app, its commands in modules by group (``batch``: run, sweep, eval,
-serve; ``results``: query, report, models; ``bench``: the suite and the benchmarks)."""
+serve; ``results``: query, report, models; ``suite``: the suite, its tasks and the ablation; ``bench``: the
+benchmarks)."""
 
 from __future__ import annotations
 
 import nestedkv
-from flows.cli import batch, results, bench  # noqa: F401 (each registers its commands on the app)
+from flows.cli import batch, results, suite, bench  # noqa: F401 (each registers its commands on the app)
 from flows.cli.common import app
 from flows.cli.spec import press_grid
 

@@ -1,0 +1,129 @@
+"""``nkv suite``, ``nkv tasks`` and ``nkv ablation``: the synthetic long-context suite, its documents alone,
+and NestedKV's per-scale ablation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flows.cli.common import ModelOpt, app, fail, invalid, out_console, say, split_list, user_errors
+from flows.cli.spec import batch_progress
+
+
+@app.command()
+def suite(
+    size: str = typer.Option("standard", "--size", help="quick (1k, 1 per task), small (2k, 2), standard (2k/4k/8k, 2)"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="target context tokens, e.g. 2048,4096 (overrides "
+                                          "the size's)"),
+    per_task: Optional[int] = typer.Option(None, "--per-task", help="documents per task and length"),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated subset of the tasks (default: all)"),
+    seed: int = typer.Option(0, "--seed"),
+    model: str = ModelOpt,
+    db: str = typer.Option("suite.duckdb", "--db", help="DuckDB file"),
+    out: str = typer.Option("reports/suite", "--out", help="folder for suite.parquet, suite_report.md, frontier.png"),
+    press: str = typer.Option("nestedkv,keydiff,knorm,streaming_llm,random", "--press", help="methods ('' = "
+                              "calibration only)"),
+    compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio"),
+    head_budget: str = typer.Option("uniform,adaptive", "--head-budget"),
+    prefill: str = typer.Option("whole", "--prefill", help="whole and/or streaming (streaming prefills per "
+                                "configuration)"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    threshold: float = typer.Option(0.6, "--threshold", help="least uncompressed accuracy for a task x length "
+                                    "cell to enter the headline"),
+    all_tasks: bool = typer.Option(False, "--all-tasks", help="run the methods on cells below the threshold too"),
+    ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="NestedKV's per-scale variants on the "
+                                  "long documents"),
+    variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated subset of those variants "
+                                           "(default: all, e.g. 'block only,window only post-RoPE')"),
+    summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
+                                  "summaries are compared with the uncompressed one"),
+    austen: Optional[str] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
+    long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
+                                  "headline, the ablation and the summaries"),
+):
+    """The synthetic long-context suite (RULER-style tasks on Austen's prose): generate, calibrate on the
+    uncompressed model, run the methods, report per task and the quality-memory frontier."""
+    from pipeline import suite as suite_mod
+    from pipeline.tasks import TASKS
+
+    try:
+        opts = suite_mod.SuiteOptions(
+            model=model, db=db, out=out, size=size, per_task=per_task, seed=seed,
+            lengths=tuple(split_list(lengths, int, "--lengths")) or None,
+            tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
+            presses=tuple(split_list(press, str, "--press")),
+            ratios=tuple(split_list(compression_ratio, float, "--compression-ratio")),
+            head_budgets=tuple(split_list(head_budget, str, "--head-budget")),
+            prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
+            threshold=threshold, all_tasks=all_tasks, ablation=ablation,
+            variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
+            long_from=long_from, austen=austen)
+        opts.configs()  # validate the press options before any work
+    except ValueError as exc:
+        invalid(exc)
+    with user_errors(), batch_progress(configs_bar=True) as hooks:
+        res = suite_mod.run_suite(opts, hooks=hooks, log=say)
+    out_console.print(res.markdown_path.read_text(encoding="utf-8"), markup=False, highlight=False)
+    say(f"wrote {res.markdown_path}" + (f" and {res.plot_path}" if res.plot_path else ""))
+
+
+@app.command()
+def tasks(
+    out: Path = typer.Option(..., "--out", help="Parquet file to write"),
+    size: str = typer.Option("standard", "--size", help="quick, small or standard (lengths and documents per "
+                             "task)"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="target tokens, e.g. 2048,4096 (overrides the "
+                                          "size's)"),
+    per_task: Optional[int] = typer.Option(None, "--per-task", help="documents per task and length (overrides "
+                                           "the size's)"),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated subset of the tasks (default: all)"),
+    seed: int = typer.Option(0, "--seed"),
+    model: str = typer.Option("smollm2-135m", "--model", help="whose tokenizer counts the tokens"),
+    austen: Optional[Path] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
+):
+    """Only generate the suite's documents (RULER-style tasks on Austen's prose) as Parquet."""
+    from pipeline import tasks as tasks_mod
+    from pipeline.models import load_model
+
+    if size not in tasks_mod.SIZES:
+        fail(f"--size: choose {', '.join(sorted(tasks_mod.SIZES))}, got {size!r}")
+    sizes = tasks_mod.SIZES[size]
+    with user_errors():
+        count = tasks_mod.token_counter(load_model(model)[1])
+    try:  # generate's ValueErrors are all about its arguments (unknown tasks, lengths, a short haystack)
+        rows = tasks_mod.generate(count, split_list(lengths, int, "--lengths") or sizes.lengths,
+                                  per_task or sizes.per_task, seed, split_list(tasks, str, "--tasks") or tasks_mod.TASKS,
+                                  austen)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    tasks_mod.write(rows, out)
+    typer.echo(f"{out}: {len(rows)} documents, {sum(len(r['questions']) for r in rows)} questions")
+
+
+@app.command()
+def ablation(
+    input: str = typer.Option("data/eval_set.parquet", "--input"),
+    compression_ratio: str = typer.Option("0.75,0.9", "--compression-ratio"),
+    variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated variants (default: all)"),
+    model: str = typer.Option("smollm2-135m", "--model"),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="only the first N documents"),
+    out: Optional[str] = typer.Option(None, "--out", help="also write the table as markdown here"),
+):
+    """Per-scale ablation of NestedKV: which part of the score helps or hurts, on the same documents."""
+    from pipeline import ablation as ablation_mod
+
+    ratios = split_list(compression_ratio, float, "--compression-ratio")
+    names = split_list(variants, str, "--variants") or None
+    try:
+        ablation_mod.check_variants(names or [])
+    except ValueError as exc:
+        fail(f"--variants: {exc}")
+    with user_errors():
+        rows, per_q = ablation_mod.ablate(input, ratios, names, model, max_new_tokens, limit=limit)
+    text = ablation_mod.summary_text(rows, per_q, ratios)
+    typer.echo(text)
+    if out:
+        Path(out).write_text(text)
