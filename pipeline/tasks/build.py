@@ -1,0 +1,164 @@
+"""Documents: a haystack sized around each task's needles in model tokens, the document rows, and their Parquet
+file."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.tasks.plans import PLANNERS, TASKS, TokenCounter, largest, plan_common_words
+from pipeline.tasks.text import Sentence, haystack, vocabulary
+
+
+@dataclass(frozen=True)
+class Size:
+    lengths: tuple[int, ...]  # target context tokens
+    per_task: int  # documents per task and length
+
+
+SIZES = {
+    "quick": Size((1024,), 1),
+    "small": Size((2048,), 2),
+    # 8k documents leave 256 tokens of SmolLM2's 8,192 window for the chat template, question and answer.
+    "standard": Size((2048, 4096, 7936), 2),
+}
+
+
+# -- sizing a haystack around the needles --------------------------------------------------------------------
+def render(sentences: Sequence[Sentence], needles: Sequence[tuple[float, str]]) -> str:
+    """The sentences as paragraphs with each needle planted before the open sentence nearest its depth (the
+    end only when no sentence is open), so never inside a quotation or after a cut-off last sentence."""
+    n = len(sentences)
+    spots = [i for i, s in enumerate(sentences) if s.open] or [n]
+    at: dict[int, list[str]] = {}
+    for depth, s in needles:
+        want = depth * n
+        at.setdefault(min(spots, key=lambda i: (abs(i - want), i)), []).append(s)
+    paras: list[list[str]] = []
+    last = None
+    for i, sent in enumerate(sentences):
+        if sent.para != last:
+            paras.append([])
+            last = sent.para
+        paras[-1].extend(at.get(i, []))
+        paras[-1].append(sent.text)
+    if n in at:
+        if not paras:
+            paras.append([])
+        paras[-1].extend(at[n])
+    return "\n\n".join(" ".join(p) for p in paras)
+
+
+def fit(hay: Sequence[Sentence], start: int, needles: Sequence[tuple[float, str]], length: int,
+        count: TokenCounter) -> str:
+    """The longest run of haystack text from ``start`` (wrapping; whole sentences, then the words of one more)
+    whose text with the needles is at most ``length`` tokens."""
+
+    def take(n: int) -> list[Sentence]:
+        return [hay[(start + i) % len(hay)] for i in range(n)]
+
+    def text(n: int, words: int = 0) -> str:
+        nxt = hay[(start + n) % len(hay)]
+        tail = [Sentence(nxt.para, " ".join(nxt.text.split()[:words]), False)] if words else []
+        return render(take(n) + tail, needles)
+
+    hi = max(8, length // 40)  # fewer sentences than that many tokens hold
+    while count(text(hi)) <= length:
+        hi *= 2
+        if hi > 4 * len(hay):
+            raise ValueError(f"the haystack ({len(hay)} sentences) is too short for {length} tokens")
+    n = largest(lambda k: count(text(k)) <= length, hi)
+    nxt = hay[(start + n) % len(hay)].text.split()
+    return text(n, largest(lambda w: count(text(n, w)) <= length, len(nxt) - 1))
+
+
+# -- documents ---------------------------------------------------------------------------------------------
+def length_label(length: int) -> str:
+    """``2k``, ``8k`` (7,936 tokens: an 8k window less room for the prompt and the answer), or the number."""
+    return f"{round(length / 1024)}k" if length >= 1024 else str(length)
+
+
+def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[Sentence], vocab: Sequence[str],
+                  count: TokenCounter) -> dict:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    rng = random.Random(f"{seed}:{task}:{length}:{index}")
+    for _ in range(100):  # redraw until every value occurs exactly once (the haystack never supplies one)
+        if task == "common_words":
+            plan = plan_common_words(rng, length, vocab, count)
+            text = plan.body
+        else:
+            plan = PLANNERS[task](rng)
+            starts = [i for i, s in enumerate(hay) if s.open]
+            text = fit(hay, rng.choice(starts), plan.needles, length, count)
+        if all(len(re.findall(rf"\b{re.escape(v)}\b", text)) == 1 for v in plan.once):
+            break
+    else:
+        raise RuntimeError(f"{task} at {length} tokens: could not plant values that occur once")
+    label = length_label(length)
+    return {
+        "doc_id": f"{task}-{label}-{index:03d}", "title": f"{task} ({label} tokens) #{index}", "text": text,
+        "questions": plan.questions, "answers": [", ".join(p) for p in plan.parts], "task": task,
+        "length": length, "n_tokens": count(text), "kinds": plan.kinds, "parts": plan.parts,
+        "evidence": plan.evidence,
+    }
+
+
+def generate(count: TokenCounter, lengths: Sequence[int] = SIZES["standard"].lengths, per_task: int = 2,
+             seed: int = 0, tasks: Sequence[str] = TASKS, austen: Optional[Path] = None) -> list[dict]:
+    """Every task x length x index as a document row (see the module doc); ``count(text)`` -> tokens."""
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
+    if per_task < 1 or not lengths or any(int(n) < 256 for n in lengths):
+        raise ValueError(f"need per_task >= 1 and lengths >= 256 tokens, got per_task={per_task}, lengths={lengths}")
+    hay = haystack(austen)
+    vocab = vocabulary(hay)
+    return [make_document(t, int(n), i, seed, hay, vocab, count) for n in lengths for t in tasks
+            for i in range(per_task)]
+
+
+def summary_documents(count: TokenCounter, lengths: Sequence[int], per_length: int = 1, seed: int = 0,
+                      austen: Optional[Path] = None) -> list[dict]:
+    """Plain Austen text (no needles, no questions) of each length, for comparing compressed summaries with
+    the uncompressed one; ``task`` is ``summary``."""
+    hay = haystack(austen)
+    starts = [i for i, s in enumerate(hay) if s.open]
+    rows = []
+    for n in lengths:
+        for i in range(per_length):
+            rng = random.Random(f"{seed}:summary:{n}:{i}")
+            text = fit(hay, rng.choice(starts), [], int(n), count)
+            label = length_label(int(n))
+            rows.append({"doc_id": f"summary-{label}-{i:03d}", "title": f"summary ({label} tokens) #{i}", "text": text,
+                         "questions": None, "answers": None, "task": "summary", "length": int(n),
+                         "n_tokens": count(text), "kinds": [], "parts": [], "evidence": []})
+    return rows
+
+
+SCHEMA = pa.schema([
+    ("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string()), ("questions", pa.list_(pa.string())),
+    ("answers", pa.list_(pa.string())), ("task", pa.string()), ("length", pa.int32()), ("n_tokens", pa.int32()),
+    ("kinds", pa.list_(pa.string())), ("parts", pa.list_(pa.list_(pa.string()))),
+    ("evidence", pa.list_(pa.list_(pa.string()))),
+])
+
+
+def write(rows: Sequence[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(list(rows), schema=SCHEMA), path, compression="zstd")
+    return path
+
+
+def token_counter(tokenizer) -> TokenCounter:
+    """Tokens of a text under ``tokenizer``, as the runner encodes a context (no special tokens added)."""
+    from pipeline.prompts import encode
+
+    return lambda text: len(encode(tokenizer, text))
