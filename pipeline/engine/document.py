@@ -1,0 +1,270 @@
+"""One document under its configurations: tokenize, prefill once (each streaming configuration on its own),
+compress a copy per configuration, answer (batched across configurations and documents when asked), score
+against the reference when evaluating, and write each document's rows in one transaction."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from pipeline.config import EngineOptions, RunConfig
+from pipeline.documents import Document
+from pipeline.results import DocumentResult
+from pipeline.spec import check_configs
+from pipeline.store import StoreWriteError
+
+if TYPE_CHECKING:
+    from pipeline.engine.plan import Plan
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Hooks:
+    """Progress callbacks for an in-process caller (the CLI's bars); any may be None."""
+
+    on_start: Optional[Callable[["Plan"], None]] = None
+    on_prefill: Optional[Progress] = None  # (tokens done, tokens in the context)
+    on_config: Optional[Callable[[int, int, RunConfig, DocumentResult], None]] = None
+    on_document: Optional[Callable[[int, int, Document, list["Outcome"]], None]] = None
+
+
+NO_HOOKS = Hooks()
+
+
+@dataclass
+class Outcome:
+    """One configuration's result on one document, and its per-question scores when evaluating."""
+
+    config: RunConfig
+    result: DocumentResult
+    scores: Optional[list[dict]] = None
+
+
+def error_result(doc: Document, exc: BaseException) -> DocumentResult:
+    return DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title).fail(exc)
+
+
+class Work:
+    """One document's configurations on their way: prefilled and compressed by ``start``, the ones to
+    decode together waiting in ``together`` until ``finish`` answers them (with other documents' ones)."""
+
+    def __init__(self, runner, doc: Document, todo: list[RunConfig], reference: Optional[RunConfig],
+                 options: EngineOptions, hooks: Hooks):
+        self.runner, self.doc, self.todo, self.reference, self.options, self.hooks = \
+            runner, doc, todo, reference, options, hooks
+        self.evaluate = options.evaluate and reference is not None
+        self.batch = options.batch_decode or options.batch_size > 1
+        self.results: dict[RunConfig, Optional[DocumentResult]] = {cfg: None for cfg in todo}
+        self.scores: dict[RunConfig, list[dict]] = {}
+        self.extra: dict[RunConfig, list[dict]] = {}
+        self.together: dict[RunConfig, list] = {}
+        self.ref = None  # pipeline.evaluate.Reference, once the reference answered
+        self.prepared = None
+        self._reported = 0
+
+    def report(self, cfg: RunConfig) -> None:
+        self._reported += 1
+        if self.hooks.on_config:
+            self.hooks.on_config(self._reported, len(self.todo), cfg, self.results[cfg])
+
+    def outcomes(self) -> list[Outcome]:
+        for cfg, more in self.extra.items():
+            self.scores[cfg] = _merge(self.scores.get(cfg), more)
+        return [Outcome(cfg, self.results[cfg], self.scores.get(cfg)) for cfg in self.todo]
+
+    def answer(self, cfg: RunConfig, cache, res: DocumentResult, full) -> None:
+        """Compress ``cache`` and answer from it now, or leave it in ``together`` for ``finish``."""
+        from pipeline.evaluate import METRIC_HOOKS, Reference
+
+        runner = self.runner
+        if full is not None:
+            for name in self.options.metrics:
+                self.extra[cfg] = _merge(self.extra.get(cfg), METRIC_HOOKS[name](runner, self.prepared, full,
+                                                                                 cache[0].press))
+        runner.compress(cache, res)
+        if self.batch and not cfg.is_reference:
+            self.together[cfg] = cache
+            return
+        runner.answer_all(cache, self.prepared, res)
+        if self.evaluate and cfg == self.reference:
+            self.ref = Reference.build(runner, self.prepared, res, cache)
+            self.scores[cfg] = self.ref.own_scores(res)
+        elif self.evaluate:
+            if self.ref is None:
+                raise RuntimeError("the no_press reference failed: nothing to score this configuration against")
+            self.scores[cfg] = self.ref.score(runner, self.prepared, res, cache)
+        self.report(cfg)
+
+    def start(self) -> "Work":
+        """Tokenize, prefill (once for the whole-context configurations), compress each configuration."""
+        import mlx.core as mx
+
+        import nestedkv
+
+        runner, options, hooks, todo = self.runner, self.options, self.hooks, self.todo
+        shell, self.prepared = runner.start(self.doc)
+        if self.prepared is None:  # the document cannot run (no questions, too long): every configuration says so
+            for cfg in todo:
+                self.results[cfg] = copy.deepcopy(shell)
+                self.report(cfg)
+            return self
+        whole = [c for c in todo if c.prefill == "whole"]
+        streaming = {c: c.make_press() for c in todo if c.prefill != "whole"}
+        fallback = None
+        if whole:
+            base = copy.deepcopy(shell)
+            try:
+                full = prefill_full(runner, self.prepared, base, options, hooks)
+            except Exception as exc:
+                if options.on_oom != "streaming" or not is_out_of_memory(exc):
+                    raise
+                # The whole context does not fit: evict while prefilling instead, for every compressing configuration.
+                fallback = f"whole-context prefill ran out of memory ({type(exc).__name__}: {exc}); prefilled streaming"
+                streaming = {**{c: replace(c.make_press(), prefill="streaming") for c in whole if not c.is_reference},
+                             **streaming}
+                for cfg in (c for c in whole if c.is_reference):
+                    self.results[cfg] = copy.deepcopy(shell).fail(exc)
+                    self.report(cfg)
+                full, whole = None, []
+            for cfg in whole:
+                self.results[cfg] = res = copy.deepcopy(base)
+                try:
+                    mx.reset_peak_memory()  # this configuration's compress peak, not the previous one's decode
+                    self.answer(cfg, nestedkv.clone(full, cfg.make_press(), model=runner.model), res, full)
+                except Exception as exc:
+                    res.fail(exc)
+                    self.report(cfg)
+            del full
+        for cfg, press in streaming.items():
+            self.results[cfg] = res = copy.deepcopy(shell)
+            try:
+                cache = runner.prefill(self.prepared, res, press=press, on_prefill=hooks.on_prefill)
+                if fallback and cfg.prefill == "whole":
+                    res.error = fallback if res.error is None else f"{res.error}; {fallback}"
+                self.answer(cfg, cache, res, None)
+            except Exception as exc:
+                res.fail(exc)
+                self.report(cfg)
+        return self
+
+
+def finish(runner, works: list[Work]) -> list[list[Outcome]]:
+    """Answer every configuration left in ``together``, of all ``works`` at once, then their outcomes."""
+    from pipeline.runner import Entry
+
+    entries = [Entry((i, cfg), cache, w.prepared, w.results[cfg], w.ref if w.evaluate else None)
+               for i, w in enumerate(works) for cfg, cache in w.together.items()]
+    if entries:
+        try:
+            for (i, cfg), got in runner.answer_entries(entries).items():
+                works[i].scores[cfg] = got
+        except Exception as exc:  # the batch failed as a whole: every configuration in it says so
+            for e in entries:
+                e.result.fail(exc)
+        for w in works:
+            for cfg in w.together:
+                w.report(cfg)
+            w.together.clear()  # the compressed caches are no longer needed
+    return [w.outcomes() for w in works]
+
+
+def compute(runner, doc: Document, configs: Sequence[RunConfig], *, reference: Optional[RunConfig] = None,
+            options: EngineOptions = EngineOptions(), hooks: Hooks = NO_HOOKS) -> list[Outcome]:
+    """Run ``doc`` under every configuration (no store). ``reference`` (scored against when
+    ``options.evaluate``) runs first, whether or not it is in ``configs``; outcomes follow that order.
+    A configuration that raises becomes an error result; the others still run."""
+    todo = check_configs(([reference] if reference is not None else []) + list(configs))
+    return finish(runner, [Work(runner, doc, todo, reference, options, hooks).start()])[0]
+
+
+def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, hooks: Hooks):
+    """The uncompressed prefill every whole-context configuration starts from: from the prefill cache
+    when one is configured and holds it (``prefill_s`` is then the load time), else computed (and stored)."""
+    import mlx.core as mx
+
+    import nestedkv
+
+    if not options.prefill_cache:
+        return runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
+    from pipeline.prefill_cache import PrefillCache
+
+    store = PrefillCache(options.prefill_cache, options.prefill_cache_gb)
+    n = len(prepared.context_ids)
+    key = store.key(runner.config.model, prepared.context_ids, runner.config.prefill_step_size)
+    t0 = time.perf_counter()
+    mx.reset_peak_memory()
+    cache = store.get(key, n)
+    if cache is None:
+        cache = runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
+        store.put(key, cache)
+        return cache
+    nestedkv.reset_peak(cache)
+    res.prefill_s = time.perf_counter() - t0
+    res.peak_prefill_bytes = mx.get_peak_memory()
+    if hooks.on_prefill:
+        hooks.on_prefill(n, n)
+    return cache
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, or a device's out-of-memory error (Metal and CUDA raise RuntimeError)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and ("out of memory" in text or
+                                                                             "insufficient memory" in text))
+
+
+def _merge(a: Optional[list[dict]], b: list[dict]) -> list[dict]:
+    return [{**x, **y} for x, y in zip(a or [{}] * len(b), b)]
+
+
+def process_documents(runner, store, plan: Plan, docs: Sequence[Document], *, hooks: Hooks = NO_HOOKS,
+                      retry_if: Optional[Callable[[BaseException], bool]] = None) -> list[list[Outcome]]:
+    """Run the configurations each of ``docs`` still needs (their answers decoded together when the
+    options batch them) and write each document's rows (and evaluation rows) in one transaction of its own.
+    A failure is stored as error rows; then, if ``retry_if(exception)`` holds, it is raised so the caller
+    can retry (the retry's write replaces those rows)."""
+    from pipeline.evaluate import evaluation_rows
+
+    reference = plan.reference if plan.options.evaluate else None
+    works, failed = [], {}
+    for doc in docs:
+        todo = plan.todo(doc)
+        try:
+            # the reference runs first when evaluating: the others are scored against it
+            ordered = check_configs(([reference] if reference is not None else []) + todo)
+            works.append(Work(runner, doc, ordered, reference, plan.options, hooks).start())
+        except Exception as exc:  # never lose the batch to one document
+            failed[doc.doc_id] = [Outcome(cfg, error_result(doc, exc)) for cfg in todo]
+    try:
+        done = dict(zip((w.doc.doc_id for w in works), finish(runner, works)))
+    except Exception as exc:
+        done = {w.doc.doc_id: [Outcome(cfg, error_result(w.doc, exc)) for cfg in w.todo] for w in works}
+    out, failure = [], None
+    for doc in docs:
+        todo = plan.todo(doc)
+        outcomes = failed.get(doc.doc_id) or done.get(doc.doc_id, [])
+        ref_run = plan.reference_run_id(doc)
+        stored = [o for o in outcomes if o.config in todo and plan.run_id(o.config)]
+        try:
+            store.write_results([
+                (plan.run_id(o.config), o.result,
+                 evaluation_rows(plan.run_id(o.config), o.result, o.scores, ref_run) if o.scores else [])
+                for o in stored
+            ])
+        except StoreWriteError as exc:
+            exc.stored = out  # the documents of this group written before it (the batch counts them)
+            raise
+        failure = failure or next((o.result.exception for o in stored if o.result.exception is not None), None)
+        out.append(stored)
+    if failure is not None and retry_if is not None and retry_if(failure):
+        raise failure
+    return out
+
+
+def process_document(runner, store, plan: Plan, doc: Document, *, hooks: Hooks = NO_HOOKS,
+                     retry_if: Optional[Callable[[BaseException], bool]] = None) -> list[Outcome]:
+    """``process_documents`` for one document."""
+    return process_documents(runner, store, plan, [doc], hooks=hooks, retry_if=retry_if)[0]
