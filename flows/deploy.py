@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from flows.batch import FLOWS
-from pipeline import lake
 from pipeline.config import BatchOptions, RunConfig
+from pipeline.store import lake
 
 LOCAL_API = "http://127.0.0.1:4200/api"
 

@@ -29,10 +29,9 @@ from uuid import UUID
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import lake
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, load_documents
-from pipeline.store import Store, process_is_the_run
+from pipeline.store import Store, lake, process_is_the_run
 
 DEPLOYMENT = "shards"  # <flow>/shards: the deployment the shards are submitted to
 MAX_ATTEMPTS = 20  # attempts per shard over all re-submissions (each a new idempotency key)
