@@ -32,7 +32,7 @@ from pipeline.store.connection import READER_WAIT_S, REOPEN_BACKOFF_S, REOPEN_WA
 from pipeline.store.errors import StoreError, StoreLockedError, StoreWriteError
 from pipeline.store.processes import process_is_the_run, process_started_at
 from pipeline.store.queries import Queries
-from pipeline.store.rows import (evaluations_table, input_errors_table, layer_memory_table, new_run_id,
+from pipeline.store.rows import (arrow, evaluations_table, input_errors_table, layer_memory_table, new_run_id,
                                  outputs_table, runs_table, utcnow)
 from pipeline.store.sandbox import READ_ONLY_STATEMENTS, SANDBOX
 from pipeline.store.schema import PRIMARY_KEYS, RUN_STATUSES, SCHEMA_VERSION, TABLES
@@ -219,3 +219,17 @@ class Store(Queries):
             self.con.unregister("_new_rows")
         self._insert(table, data)
 
+    def write_suite_questions(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        """The suite's questions (``suite_questions``, made by the first suite), replacing the rows of the
+        same documents, in one transaction."""
+        self._writable()
+        try:
+            data = arrow("suite_questions", list(rows))
+        except StoreError as e:
+            raise self._store_error(e) from None
+
+        def work() -> None:
+            self.con.execute(schema.ddl("suite_questions"))
+            self._replace_rows("suite_questions", data, "e.content_sha256 = n.content_sha256")
+
+        self._transaction(work)

@@ -10,6 +10,39 @@ from pipeline.config import RunConfig
 from pipeline.results import OK
 from pipeline.store.reads import Reads
 
+# The latest run's value of one metric per (configuration, document, question), with the question's task and length.
+SUITE_SCORES_SQL = """
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, s.task, s.length, s.kind,
+       e.doc_id, e.question_idx, e.value
+FROM evaluations e JOIN runs r ON r.run_id = e.run_id
+JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
+JOIN suite_questions s ON s.doc_id = o.doc_id AND s.content_sha256 = o.content_sha256
+    AND s.question_idx = o.question_idx
+WHERE e.metric = $metric AND r.config_hash IN (SELECT unnest($hashes))
+    AND o.content_sha256 IN (SELECT unnest($docs))
+QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx
+                           ORDER BY r.created_at DESC, r.run_id DESC) = 1
+"""
+
+# Resident and full KV bytes per (configuration, document), latest run.
+KV_BYTES_SQL = """
+SELECT r.config_hash, m.doc_id, sum(m.bytes_resident) AS resident, sum(m.bytes_full) AS full
+FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
+WHERE r.config_hash IN (SELECT unnest($hashes)) AND m.content_sha256 IN (SELECT unnest($docs))
+GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
+QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
+"""
+
+# Agreement of each summary with the uncompressed one, latest run per (configuration, document).
+SUMMARY_SQL = """
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, e.doc_id, e.metric, e.value
+FROM evaluations e JOIN runs r ON r.run_id = e.run_id
+JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
+WHERE e.metric IN ('rouge_l', 'delta_nll') AND r.config_hash IN (SELECT unnest($hashes))
+    AND o.content_sha256 IN (SELECT unnest($docs))
+QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.metric ORDER BY r.created_at DESC, r.run_id DESC) = 1
+"""
+
 
 class Queries(Reads):
     # -- resume -----------------------------------------------------------------------------------
@@ -64,3 +97,27 @@ class Queries(Reads):
         return self.query(
             f"SELECT {', '.join(columns)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
             "ORDER BY press, compression_ratio, head_budget, budget, prefill, kv_bits", [list(run_ids)]).to_pylist()
+
+    # -- the suite (its questions: ``Store.write_suite_questions``) ----------------------------------------
+    def unscored_suite_answers(self) -> list[dict]:
+        """Ok answers to suite questions without a ``recall`` row yet, with the question's parts."""
+        return self.query("""
+            SELECT o.run_id, o.doc_id, o.question_idx, o.output, s.parts
+            FROM outputs o JOIN suite_questions s ON s.doc_id = o.doc_id AND s.content_sha256 = o.content_sha256
+                AND s.question_idx = o.question_idx
+            WHERE o.status = 'ok' AND NOT EXISTS (
+                SELECT 1 FROM evaluations e WHERE e.run_id = o.run_id AND e.doc_id = o.doc_id
+                    AND e.question_idx = o.question_idx AND e.metric = 'recall')
+        """).to_pylist()
+
+    def suite_scores(self, hashes: Sequence[str], docs: Sequence[str], metric: str) -> list[dict]:
+        """``SUITE_SCORES_SQL`` for these configuration hashes and document content hashes."""
+        return self.query(SUITE_SCORES_SQL, {"hashes": list(hashes), "docs": list(docs), "metric": metric}).to_pylist()
+
+    def kv_bytes_by_document(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
+        """``KV_BYTES_SQL`` for these configuration hashes and document content hashes."""
+        return self.query(KV_BYTES_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
+
+    def summary_agreement(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
+        """``SUMMARY_SQL`` for these configuration hashes and document content hashes."""
+        return self.query(SUMMARY_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()

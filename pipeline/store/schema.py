@@ -53,10 +53,17 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
     ],
 }
 PRIMARY_KEYS = {"runs": "run_id", "documents": "content_sha256, doc_id"}
+# Tables created on first use, not by every open: the suite's questions (``pipeline.suite``).
+ON_DEMAND_TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
+    "suite_questions": [
+        ("doc_id", _S), ("content_sha256", _S), ("question_idx", _I), ("task", _S), ("length", _I),
+        ("n_tokens", _I), ("kind", _S), ("parts", ("VARCHAR[]", pa.list_(pa.string()))),
+    ],
+}
 
 
 def columns(name: str) -> list[tuple[str, tuple[str, pa.DataType]]]:
-    return TABLES[name]
+    return TABLES[name] if name in TABLES else ON_DEMAND_TABLES[name]
 
 
 def arrow_schema(name: str) -> pa.Schema:
