@@ -7,8 +7,48 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeline.config import RunConfig
+from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
 from pipeline.results import OK
 from pipeline.store.reads import Reads
+
+# Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
+QUALITY_SQL = f"""
+WITH ev AS (
+    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv_bits}} AS kv_bits,
+           e.doc_id, e.question_idx, e.metric, e.value
+    FROM evaluations e JOIN runs r ON r.run_id = e.run_id
+    QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
+                               ORDER BY r.created_at DESC, r.run_id DESC) = 1
+)
+SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
+       any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget, any_value(kv_bits) AS kv_bits,
+       count(DISTINCT doc_id) AS n_docs,
+       count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
+       avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
+       avg(value) FILTER (WHERE metric = '{AGREE_EXACT}') AS agree_exact,
+       avg(value) FILTER (WHERE metric = '{ROUGE_L}') AS rouge_l,
+       avg(value) FILTER (WHERE metric = '{DELTA_NLL}') AS delta_nll,
+       avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement,
+       avg(value) FILTER (WHERE metric = '{GOLD_NLL}') AS gold_nll,
+       avg(value) FILTER (WHERE metric = '{DELTA_GOLD_NLL}') AS delta_gold_nll
+FROM ev GROUP BY config_hash
+"""
+
+# Context KV bytes kept, latest run per (configuration, document), over the configurations evaluated.
+KEPT_SQL = """
+WITH docs AS (
+    SELECT r.config_hash, m.doc_id, m.content_sha256, m.run_id,
+           sum(m.bytes_kept) AS kept_bytes, sum(m.bytes_full) AS full_bytes, sum(m.bytes_resident) AS resident_bytes
+    FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
+    WHERE r.run_id IN (SELECT DISTINCT run_id FROM evaluations)
+    GROUP BY r.config_hash, m.doc_id, m.content_sha256, m.run_id, r.created_at
+    QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id, m.content_sha256
+                               ORDER BY r.created_at DESC, m.run_id DESC) = 1
+)
+SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share,
+       sum(resident_bytes) / nullif(sum(full_bytes), 0) AS resident_share
+FROM docs GROUP BY config_hash
+"""
 
 # The latest run's value of one metric per (configuration, document, question), with the question's task and length.
 SUITE_SCORES_SQL = """
@@ -97,6 +137,27 @@ class Queries(Reads):
         return self.query(
             f"SELECT {', '.join(columns)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
             "ORDER BY press, compression_ratio, head_budget, budget, prefill, kv_bits", [list(run_ids)]).to_pylist()
+
+    # -- reports ----------------------------------------------------------------------------------
+    def quality_by_config(self) -> list[dict]:
+        """Answer quality per evaluated configuration (``QUALITY_SQL``), in no order."""
+        # Stores written before quantized KV have no runs.kv_bits (a read-only open does not migrate them).
+        kv = "r.kv_bits" if "kv_bits" in self.query("SELECT * FROM runs LIMIT 0").column_names else "NULL"
+        return self.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
+
+    def kept_by_config(self) -> list[dict]:
+        """KV kept and resident shares per evaluated configuration (``KEPT_SQL``)."""
+        return self.query(KEPT_SQL).to_pylist()
+
+    def evaluations_by_config(self) -> list[dict]:
+        """Every evaluation value with its run's configuration hash."""
+        return self.query("SELECT r.config_hash, e.doc_id, e.question_idx, e.metric, e.value FROM evaluations e "
+                          "JOIN runs r USING (run_id)").to_pylist()
+
+    def answers_at_ratio(self, ratio: float) -> list[dict]:
+        """(doc_id, question_idx, output) of the runs at this compression ratio, ordered."""
+        return self.query("SELECT o.doc_id, o.question_idx, o.output FROM outputs o JOIN runs r USING (run_id) "
+                          "WHERE r.compression_ratio = ? ORDER BY ALL", [ratio]).to_pylist()
 
     # -- the suite (its questions: ``Store.write_suite_questions``) ----------------------------------------
     def unscored_suite_answers(self) -> list[dict]:
