@@ -4,11 +4,13 @@ the report, the ablation, the benchmarks and the suite. Callers ask by name; the
 
 from __future__ import annotations
 
-from typing import Sequence
+from datetime import datetime
+from typing import Iterable, Optional, Sequence
 
 from pipeline.config import RunConfig
 from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
 from pipeline.results import OK
+from pipeline.store import lake
 from pipeline.store.reads import Reads
 
 # Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
@@ -50,7 +52,6 @@ SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share,
 FROM docs GROUP BY config_hash
 """
 
-# The latest run's value of one metric per (configuration, document, question), with the question's task and length.
 SUITE_SCORES_SQL = """
 SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, s.task, s.length, s.kind,
        e.doc_id, e.question_idx, e.value
@@ -64,7 +65,6 @@ QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx
                            ORDER BY r.created_at DESC, r.run_id DESC) = 1
 """
 
-# Resident and full KV bytes per (configuration, document), latest run.
 KV_BYTES_SQL = """
 SELECT r.config_hash, m.doc_id, sum(m.bytes_resident) AS resident, sum(m.bytes_full) AS full
 FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
@@ -73,7 +73,6 @@ GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
 """
 
-# Agreement of each summary with the uncompressed one, latest run per (configuration, document).
 SUMMARY_SQL = """
 SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, e.doc_id, e.metric, e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
@@ -129,6 +128,47 @@ class Queries(Reads):
         ).to_pylist()
         return {r["content_sha256"]: r["run_id"] for r in rows}
 
+    def input_error_count(self, config: RunConfig, input: str) -> int:
+        """Bad input rows recorded by runs of ``config`` over ``input``."""
+        (n,) = self.query("SELECT count(*) FROM input_errors e JOIN runs r USING (run_id) WHERE r.config_hash "
+                          "= $h AND r.input = $i", {"h": config.config_hash(), "i": str(input)}).column(0).to_pylist()
+        return n
+
+    # -- fan-out ----------------------------------------------------------------------------------
+    def runs_of_input(self, input, since: datetime) -> list[dict]:
+        """Status, host, pid and pid start of the runs over ``input`` started at ``since`` (UTC) or later."""
+        return self.query("SELECT status, host, pid, pid_started_at FROM runs WHERE input = $i "
+                          "AND created_at >= $since", {"i": str(input), "since": since}).to_pylist()
+
+    def run_ids(self, config: RunConfig, inputs: Sequence[str]) -> list[str]:
+        """The runs of ``config`` over any of ``inputs``, oldest first."""
+        rows = self.query("SELECT run_id FROM runs WHERE config_hash = $h AND list_contains($inputs, input) "
+                          "ORDER BY created_at", {"h": config.config_hash(), "inputs": list(inputs)}).to_pylist()
+        return [r["run_id"] for r in rows]
+
+    def document_outcomes(self, config: RunConfig, documents: Iterable[tuple[str, str]]) -> tuple[int, int]:
+        """Of ``documents`` ((doc_id, content sha256) pairs): how many some run of ``config`` answered, and how
+        many some run (any attempt, any earlier batch) answered all ok."""
+        keys = [f"{doc_id}\0{sha}" for doc_id, sha in documents]
+        stats = self.query(
+            """
+            SELECT count(*) AS n, count(*) FILTER (WHERE ok) AS ok FROM (
+                SELECT doc_id, content_sha256, bool_or(run_ok) AS ok FROM (
+                    SELECT o.doc_id, o.content_sha256, bool_and(o.status = 'ok') AS run_ok
+                    FROM outputs o JOIN runs r ON r.run_id = o.run_id
+                    WHERE r.config_hash = $h AND list_contains($keys, o.doc_id || chr(0) || o.content_sha256)
+                    GROUP BY o.run_id, o.doc_id, o.content_sha256)
+                GROUP BY doc_id, content_sha256)
+            """, {"h": config.config_hash(), "keys": keys}).to_pylist()[0]
+        return stats["n"] or 0, stats["ok"] or 0
+
+    def data_path(self) -> Optional[str]:
+        """Where a lake keeps its Parquet files (its catalog remembers); None for a DuckDB file."""
+        if self.lake is None:
+            return None
+        with self._session():
+            return self._read(lambda: lake.data_path_of(self.con))
+
     # -- savings ----------------------------------------------------------------------------------
     def memory_savings(self, run_ids: Sequence[str], columns: Sequence[str] = ("*",)) -> list[dict]:
         """``columns`` of the ``memory_savings`` view for these runs, by press and setting."""
@@ -138,9 +178,14 @@ class Queries(Reads):
             f"SELECT {', '.join(columns)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
             "ORDER BY press, compression_ratio, head_budget, budget, prefill, kv_bits", [list(run_ids)]).to_pylist()
 
+    def layer_savings(self, run_id: str, columns: Sequence[str] = ("*",)) -> list[dict]:
+        """``columns`` of the ``layer_savings`` view for one run, by layer."""
+        return self.query(f"SELECT {', '.join(columns)} FROM layer_savings WHERE run_id = ? ORDER BY layer",
+                          [run_id]).to_pylist()
+
     # -- reports ----------------------------------------------------------------------------------
     def quality_by_config(self) -> list[dict]:
-        """Answer quality per evaluated configuration (``QUALITY_SQL``), in no order."""
+        """Answer quality per evaluated configuration (``QUALITY_SQL``), unordered."""
         # Stores written before quantized KV have no runs.kv_bits (a read-only open does not migrate them).
         kv = "r.kv_bits" if "kv_bits" in self.query("SELECT * FROM runs LIMIT 0").column_names else "NULL"
         return self.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
@@ -172,13 +217,16 @@ class Queries(Reads):
         """).to_pylist()
 
     def suite_scores(self, hashes: Sequence[str], docs: Sequence[str], metric: str) -> list[dict]:
-        """``SUITE_SCORES_SQL`` for these configuration hashes and document content hashes."""
+        """The latest run's ``metric`` per (configuration, document, question), with the question's task and
+        length, for these configuration hashes and document content hashes."""
         return self.query(SUITE_SCORES_SQL, {"hashes": list(hashes), "docs": list(docs), "metric": metric}).to_pylist()
 
     def kv_bytes_by_document(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
-        """``KV_BYTES_SQL`` for these configuration hashes and document content hashes."""
+        """Resident and full KV bytes per (configuration, document), latest run, for these configuration
+        hashes and document content hashes."""
         return self.query(KV_BYTES_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
 
     def summary_agreement(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
-        """``SUMMARY_SQL`` for these configuration hashes and document content hashes."""
+        """ROUGE-L and delta-NLL of each summary against the uncompressed one, latest run per (configuration,
+        document), for these configuration hashes and document content hashes."""
         return self.query(SUMMARY_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
