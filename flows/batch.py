@@ -8,19 +8,22 @@ and the plan as arguments (``quote``d: Prefect neither serializes nor walks them
 """
 
 
-from typing import Any, Optional
+from typing import Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
+from prefect.states import Failed
 from prefect.utilities.annotations import quote
 
 import nestedkv
 from flows import artifacts
 from pipeline import engine
-from pipeline.config import DEFAULT_DB, DEFAULT_INPUT, DEFAULT_MODEL, BatchOptions, HeadBudget, PrefillMode, RunConfig, Task
+from flows.params import ONE, SWEEP, hooks_parameter, keyword, spec_function
+from pipeline.config import Task
 from pipeline.documents import Document
-from pipeline.engine import EngineOptions, Hooks, Outcome, Summary
+from pipeline.engine import Hooks, Outcome, Summary
+from pipeline.spec import BatchSpec
 from pipeline.store import Store, StoreWriteError
 
 # Worth retrying: device memory, I/O and runtime failures. Anything else (a bug, bad data) would fail
@@ -50,14 +53,15 @@ def documents_task(runner, store: Store, plan: engine.Plan, label: str, docs: li
         return exc
 
 
-def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, options: BatchOptions,
-             engine_options: EngineOptions, hooks: Optional[Hooks]) -> Summary:
+def run_flow(flow_name: str, spec: BatchSpec, hooks: Optional[Hooks]) -> Summary:
+    """``spec`` through the engine, each document (or group decoded together) a task with retries."""
     nestedkv.enable_cpu_fast_path()  # a worker's or server's flow run: before the model loads mlx
     log = get_run_logger()
     hooks = hooks or engine.NO_HOOKS
+    options, input = spec.options, spec.input
     one = documents_task.with_options(retries=options.retries, retry_delay_seconds=options.retry_delay_s)
-    with Store(db, wait_s=options.wait) as store:
-        plan = engine.open_plan(store, input, configs, engine_options)
+    with Store(spec.db, wait_s=options.wait) as store:
+        plan = engine.open_plan(store, input, spec.configs(), spec.engine_options())
         todo = plan.todo_docs
         log.info("%d configurations over %d documents: %d need work, %d bad rows", len(plan.configs),
                  len(plan.docs), len(todo), len(plan.errors))
@@ -75,11 +79,16 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
                 if isinstance(per_doc, StoreWriteError):
                     raise per_doc  # the batch stops and says so (Summary.problem)
             else:  # the store write itself failed: the engine already turned model errors into rows
-                exc = state.result(raise_on_failure=False)
-                per_doc = [[Outcome(cfg, engine.error_result(doc, exc)) for cfg in plan.todo(doc)] for doc in docs]
                 log.error("documents %s: %s", label, state.message)
+                # Their rows are not (all) in the store: the batch stops as on any failed write, not counting
+                # them done or failed (a run whose documents were not all stored is not completed).
+                exc = state.result(raise_on_failure=False)
+                why = (f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(state.message))
+                stop = StoreWriteError(f"documents {label}: not stored ({one_line(why)})")
+                stop.stored = []
+                raise stop
             for doc, outcomes in zip(docs, per_doc):
-                bad = [o.config.label() for o in outcomes if o.result.status != engine.OK]
+                bad = [o.config.label() for o in outcomes if not o.result.all_ok]
                 note = f"{doc.doc_id}: {len(outcomes) - len(bad)}/{len(outcomes)} configurations ok"
                 done[0] += 1
                 log.info("document %d/%d %s", done[0], len(todo), note + (f" (failed: {bad})" if bad else ""))
@@ -90,7 +99,31 @@ def run_flow(flow_name: str, input: str, configs: list[RunConfig], db: str, opti
         layers = artifacts.layer_rows(store, summary.run_ids[-1]) if summary.run_ids else []
     artifacts.publish_tables(flow_name, summary.savings, layers, summary.run_ids)
     artifacts.publish_report(flow_name, f"{flow_name} over {input}", report_sections(input, summary, layers))
-    return summary
+    return final_state(summary)
+
+
+class BatchNotStored(Exception):
+    """What a flow run that stopped before storing every document ends with (its Failed state's data):
+    the message is ``Summary.problem()``, one line; ``summary`` is what the batch did. Calling the flow in
+    this process raises it, so the caller (``nkv run``) still reports the summary."""
+
+    def __init__(self, summary: Summary):
+        super().__init__(summary.problem())
+        self.summary = summary
+
+
+def final_state(summary: Summary):
+    """The flow run's result: the summary (state Completed) when every document with work left was stored,
+    ok or as an error row; otherwise state Failed with the one-line reason, as ``nkv run`` closes the runs
+    (``failed``). A served or deployed run thus never reads Completed with documents missing from the store,
+    and a fan-out retries such a shard. What was stored stays."""
+    if summary.write_error is None and summary.n_not_stored == 0:
+        return summary
+    return Failed(message=summary.problem(), data=BatchNotStored(summary))
+
+
+def one_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0]
 
 
 def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tuple[str, str]]:
@@ -102,58 +135,23 @@ def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tu
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
     if summary.write_error:
         sections.append(("Stopped", summary.problem()))
-    failed = [o for o in summary.outcomes if o.result.status != engine.OK]
+    failed = [o for o in summary.outcomes if not o.result.all_ok]
     if failed or summary.input_errors:
-        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.error}" for o in failed]
+        lines = [f"- `{o.result.doc_id}` ({o.config.label()}): {o.result.status}: {o.result.problems}" for o in failed]
         lines += [f"- input row {e.row} (`{e.doc_id}`): {e.field}: {e.message}" for e in summary.input_errors]
         sections.append(("Problems", "\n".join(lines)))
     return sections
-
-
-def batch_config(task_name: Task, press: str, compression_ratio: float, budget: Optional[int],
-                 head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str,
-                 options: BatchOptions, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> RunConfig:
-    return RunConfig(task=task_name, model=model, press=press, compression_ratio=compression_ratio, budget=budget,
-                     head_budget=head_budget, prefill=prefill, press_params=press_params or {}, kv_bits=kv_bits,
-                     kv_group_size=kv_group_size, **options.generation())
-
-
-def _batch(task_name: Task, input: str, press: str, compression_ratio: float, budget: Optional[int],
-           head_budget: Optional[HeadBudget], prefill: PrefillMode, press_params: Optional[dict], model: str, db: str,
-           options: Optional[BatchOptions], hooks: Optional[Hooks], kv_bits: Optional[int] = None,
-           kv_group_size: int = 64) -> Summary:
-    options = options or BatchOptions()
-    config = batch_config(task_name, press, compression_ratio, budget, head_budget, prefill, press_params, model, options,
-                          kv_bits, kv_group_size)
-    return run_flow(f"{task_name}-batch", input, [config], db, options, EngineOptions.for_batch(options), hooks)
 
 
 def _batch_flow(task_name: Task, doc: str):
     """The ``<task>-batch`` flow: one press configuration over a batch (flat parameters are the ones users
     change on a re-run; the rest live in ``options``)."""
 
-    def batch(
-        input: str = DEFAULT_INPUT,
-        press: str = "nestedkv",
-        compression_ratio: float = 0.75,
-        budget: Optional[int] = None,
-        head_budget: Optional[HeadBudget] = None,
-        prefill: PrefillMode = "whole",
-        press_params: Optional[dict[str, Any]] = None,
-        model: str = DEFAULT_MODEL,
-        db: str = DEFAULT_DB,
-        options: BatchOptions = BatchOptions(),
-        hooks: Optional[Any] = None,
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
-    ) -> Summary:
-        return _batch(task_name, input, press, compression_ratio, budget, head_budget, prefill, press_params, model,
-                      db, options, hooks, kv_bits, kv_group_size)
+    def body(kwargs: dict, hooks: Optional[Hooks] = None) -> Summary:
+        return run_flow(f"{task_name}-batch", ONE.spec(kwargs, task=task_name), hooks)
 
-    # Deployments import a flow by module path and function name.
-    batch.__name__ = batch.__qualname__ = f"{task_name}_batch"
-    batch.__doc__ = doc
-    return flow(name=f"{task_name}-batch", persist_result=False)(batch)
+    fn = spec_function(f"{task_name}_batch", doc, ONE, body, after=(hooks_parameter(),))
+    return flow(name=f"{task_name}-batch", persist_result=False)(fn)
 
 
 summarize_batch = _batch_flow(
@@ -162,35 +160,24 @@ qa_batch = _batch_flow(
     "qa", "Answer every question of every document of a Parquet batch from one compressed KV cache per document.")
 
 
-@flow(name="budget-sweep", persist_result=False)
-def budget_sweep(
-    input: str = DEFAULT_INPUT,
-    presses: list[str] = ["nestedkv", "keydiff"],
-    compression_ratios: list[float] = [0.5, 0.75, 0.9],
-    head_budgets: list[Optional[HeadBudget]] = [None],
-    budgets: Optional[list[int]] = None,
-    prefills: list[PrefillMode] = ["whole"],
-    press_params: Optional[dict[str, Any]] = None,
-    task: Task = "summarize",
-    model: str = DEFAULT_MODEL,
-    db: str = DEFAULT_DB,
-    reference: bool = True,
-    evaluate: bool = True,
-    options: BatchOptions = BatchOptions(),
-    hooks: Optional[Any] = None,
-    kv_bits: list[Optional[int]] = [None],
-    kv_group_sizes: list[int] = [64],
-) -> Summary:
-    """Compare presses and budgets on the same documents: one prefill per document, one run per
+def _sweep(kwargs: dict, task: Task = "summarize", hooks: Optional[Hooks] = None) -> Summary:
+    return run_flow("budget-sweep", SWEEP.spec(kwargs, task=task), hooks)
+
+
+budget_sweep = flow(name="budget-sweep", persist_result=False)(spec_function(
+    "budget_sweep", """Compare presses and budgets on the same documents: one prefill per document, one run per
     configuration plus the uncompressed reference (unless ``reference`` and ``evaluate`` are off).
     ``budgets`` (tokens per head) replace the ratios when given; ``evaluate`` also scores each configuration
-    against the reference (``quality_vs_full``)."""
-    options = options or BatchOptions()
-    base = RunConfig(task=task, model=model, **options.generation())
-    configs = engine.make_configs(base, presses, compression_ratios, budgets or (), head_budgets, prefills,
-                                  press_params, kv_bits, kv_group_sizes)
-    return run_flow("budget-sweep", input, configs, db, options,
-                    EngineOptions.for_batch(options, reference=reference, evaluate=evaluate), hooks)
+    against the reference (``quality_vs_full``).""", SWEEP, _sweep,
+    after=(keyword("task", Task, "summarize"), hooks_parameter())))
+
+
+def run_spec(spec: BatchSpec, hooks: Optional[Hooks] = None) -> Summary:
+    """A spec through the flow that fits it: ``<task>-batch`` for one configuration of a plain batch, else
+    ``budget-sweep``."""
+    if spec.reference or spec.evaluate or len(spec.configs()) > 1:
+        return budget_sweep(**SWEEP.arguments(spec), task=spec.task, hooks=hooks)
+    return FLOWS[spec.task](**ONE.arguments(spec), hooks=hooks)
 
 
 FLOWS = {"summarize": summarize_batch, "qa": qa_batch}

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from flows.batch import FLOWS
-from pipeline.config import BatchOptions, RunConfig
+from flows.params import ONE
+from pipeline.spec import BatchSpec
 from pipeline.store import lake
 
 LOCAL_API = "http://127.0.0.1:4200/api"
@@ -47,34 +48,22 @@ def check_server(timeout: float = 3.0, hint: Optional[str] = None) -> str:
     return url
 
 
-def batch_parameters(input: str, press: str, compression_ratio: float, budget: Optional[int], head_budget: str,
-                     prefill: str, press_params: Optional[dict], model: str, db: str,
-                     options: Optional[BatchOptions] = None, kv_bits: Optional[int] = None,
-                     kv_group_size: int = 64) -> dict:
-    """Every setting as a deployment parameter (``options`` holds the generation settings and retries)."""
-    return {
-        "input": absolute(input), "press": press, "compression_ratio": compression_ratio, "budget": budget,
-        "head_budget": head_budget, "prefill": prefill, "press_params": press_params or {},
-        "kv_bits": kv_bits, "kv_group_size": kv_group_size,
-        "model": absolute(model), "db": absolute(db), "options": (options or BatchOptions()).model_dump(),
-    }
+def batch_parameters(spec: BatchSpec) -> dict:
+    """A one-configuration spec as a deployment's parameters, its paths pinned (``options`` holds the
+    generation, engine and retry settings)."""
+    params = ONE.arguments(spec)
+    return {**params, "input": absolute(spec.input), "model": absolute(spec.model), "db": absolute(spec.db),
+            "options": spec.options.model_dump()}
 
 
-def config_settings(config: RunConfig, input: str, db: str, options: Optional[BatchOptions] = None) -> dict:
-    """``batch_parameters``' arguments for one configuration."""
-    return dict(input=input, press=config.press, compression_ratio=config.compression_ratio, budget=config.budget,
-                head_budget=config.head_budget, prefill=config.prefill, press_params=config.press_params,
-                model=config.model, db=db, options=options, kv_bits=config.kv_bits,
-                kv_group_size=config.kv_group_size)
-
-
-def deployment(task: str, name: str, cron: Optional[str], params: dict, flow=None, extra: Optional[dict] = None):
+def deployment(spec: BatchSpec, name: str, cron: Optional[str], flow=None, extra: Optional[dict] = None):
     from prefect.deployments.runner import EntrypointType
 
+    task = spec.task
     return (flow or FLOWS[task]).to_deployment(
         name=name,
         cron=cron,
-        parameters={**batch_parameters(**params), **(extra or {})},
+        parameters={**batch_parameters(spec), **(extra or {})},
         # Import by module path: the package is installed, so a runner or worker finds it from any directory.
         entrypoint_type=EntrypointType.MODULE_PATH,
         description=f"Scheduled {task} batch with NestedKV KV-cache compression",
@@ -82,8 +71,7 @@ def deployment(task: str, name: str, cron: Optional[str], params: dict, flow=Non
     )
 
 
-def serve_batch(task: str = "summarize", *, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
-                **params) -> None:
+def serve_batch(spec: BatchSpec, *, name: str = "nightly", cron: Optional[str] = "0 2 * * *") -> None:
     """Serve ``summarize-batch/<name>`` (or ``qa-batch/<name>``) on a cron schedule until interrupted.
 
     One flow run at a time per serving process: each run loads the model and holds the DuckDB writer.
@@ -91,11 +79,10 @@ def serve_batch(task: str = "summarize", *, name: str = "nightly", cron: Optiona
     from prefect import serve
 
     check_server()
-    serve(deployment(task, name, cron, params), limit=1)
+    serve(deployment(spec, name, cron), limit=1)
 
 
-def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", cron: Optional[str] = "0 2 * * *",
-                 **params) -> str:
+def deploy_batch(spec: BatchSpec, *, pool: str, name: str = "nightly", cron: Optional[str] = "0 2 * * *") -> str:
     """Register the deployment in a work pool (``prefect work-pool create <pool> --type process``) and return
     its id; workers started with ``prefect worker start --pool <pool> --limit 1`` (one per Mac, each with
     this package installed) run it. Each run writes to ``db`` on the machine that runs it."""
@@ -103,6 +90,6 @@ def deploy_batch(task: str = "summarize", *, pool: str, name: str = "nightly", c
 
     check_server()
     # ignore_warnings: Prefect suggests .serve for process pools; a pool is the point here (one worker per Mac).
-    (deployment_id,) = deploy(deployment(task, name, cron, params), work_pool_name=pool, build=False, push=False,
+    (deployment_id,) = deploy(deployment(spec, name, cron), work_pool_name=pool, build=False, push=False,
                               print_next_steps_message=False, ignore_warnings=True)
     return str(deployment_id)

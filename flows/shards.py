@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, load_documents
+from pipeline.spec import BatchSpec
 from pipeline.store import Store, lake, process_is_the_run
 
 DEPLOYMENT = "shards"  # <flow>/shards: the deployment the shards are submitted to
@@ -245,23 +246,23 @@ def abandon(client, shard: Shard, why: str) -> None:
     client.set_flow_run_state(UUID(shard.flow_run_id), Crashed(message=f"nkv: {why}"), force=True)
 
 
-def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, shards: Optional[int] = None,
+def fan_out(spec: BatchSpec, pool: str, *, shards: Optional[int] = None,
             shard_size: Optional[int] = None, data_path: Optional[str] = None, name: str = DEPLOYMENT,
             retries: int = 1, stale_after_s: Optional[float] = None,
             on_progress: Optional[Callable[[list[Shard]], None]] = None,
             log: Callable[[str], None] = print) -> FanOut:
-    """Split ``input`` into shards, submit one flow run per shard to ``<flow>/<name>`` in ``pool``, wait
-    for all of them, and read the merged totals from the store.
-
-    ``options``: the batch options (``BatchOptions``) every shard runs with. ``retries``: new attempts for
+    """Split the spec's input into shards, submit one flow run per shard to ``<flow>/<name>`` in ``pool``
+    (each the spec with the shard as its input), wait for all of them, and read the merged totals from the
+    store. The spec has one configuration. ``retries``: new attempts for
     a shard whose flow run fails or crashes while we wait. ``stale_after_s``: a running flow run without a heartbeat for this long is taken as gone (default:
     3 heartbeat periods).
     """
     from prefect import get_client
     from prefect.settings import get_current_settings
 
-    from flows.deploy import batch_parameters, check_server, config_settings, deploy_batch
+    from flows.deploy import batch_parameters, check_server, deploy_batch
 
+    input, db, config = spec.input, spec.db, spec.config()
     start = time.monotonic()
     check_server()
     folder = shard_folder(db, data_path)
@@ -271,10 +272,9 @@ def fan_out(input: str, config: RunConfig, db: str, pool: str, options=None, *, 
     record_input_errors(db, config, input, errors)
     if not shard_list:
         raise ShardError(f"{input}: no valid documents to run")
-    settings = config_settings(config, input, db, options)
     with contextlib.redirect_stdout(io.StringIO()):  # Prefect prints a table of deployments
-        deploy_batch(config.task, pool=pool, name=name, cron=None, **settings)
-    parameters = batch_parameters(**settings)
+        deploy_batch(spec, pool=pool, name=name, cron=None)
+    parameters = batch_parameters(spec)
     beat = get_current_settings().flows.heartbeat_frequency or 180
     stale_after_s = stale_after_s if stale_after_s is not None else HEARTBEAT_MISSES * beat
     keys = {(d.doc_id, d.content_sha256) for s in shard_list for d in s.docs}

@@ -1,104 +1,136 @@
 """Scoring state for ``prefill="streaming"``: what a layer must remember to score its stored rows while the
 context is still arriving (spec, "Streaming variant").
 
-NestedKV keeps, per layer:
-- the global anchor as the running sum of the unit keys of EVERY token seen (evicted ones included);
-- per stored row, its block cosine and window cosine, computed from the original sequence: the window one
-  when the token arrives (the last ``window - 1`` unit keys are carried across chunks), the block one against
-  the unit keys of its block seen so far (provisional while the block is incomplete, final once it completes;
-  the last block of a document is complete at its end, as in whole-context scoring);
-- per stored row, its original position.
-Min-max normalization, the tail gaps (head-adaptive weights) and the surprise gate are recomputed over the
-stored rows at each eviction: the approximate part. KeyDiff keeps the running anchor too; other presses score
-the stored keys with their own ``score`` (knorm, streaming_llm and random need no history).
+``StreamState`` keeps what every press needs: the positions seen, each stored row's original position, and
+the rows' per-press features, gathered with the cache's rows at each eviction. What a press remembers
+beyond that is its ``stream_scorer`` (``press.stream_scorer``): ``StreamScorer`` remembers nothing and
+scores the stored keys with the press's own ``score`` (knorm, streaming_llm, random); ``AnchorScorer`` keeps
+the running sum of the unit keys of every token seen, evicted ones included (KeyDiff); NestedKV's adds its
+block and window cosines (``nestedkv.presses.nestedkv``).
 
 A press with ``unrotate`` sees every key rotated back by its own position (``nestedkv.rope``): each chunk
-as it arrives (the anchors and cosines above), and the stored rows, by their original positions, at each
+as it arrives (the anchors and cosines), and the stored rows, by their original positions, at each
 eviction; a stream that never evicts still scores as the whole context does.
 
 Under adaptive budgets heads keep different counts: the cache hands its rows over padded per head (for the
-time of one eviction), ``valid`` [B, H, R] marks the real ones, and every statistic below ignores the others.
+time of one eviction), ``valid`` [B, H, R] marks the real ones, and every statistic ignores the others.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import ClassVar, Optional
 
 import mlx.core as mx
-import numpy as np
 
 from nestedkv import scoring
 from nestedkv.rope import at_positions, required
 
-_FEATURES = ("pos", "cos_e", "cos_c")
-EPS = scoring.EPS
+# Every saved stream holds these keys (None or 0 where its press keeps no such statistic), so that saved
+# files keep the one format they have had since streaming began.
+_SAVED = {"block_start": 0, "block": 0, "g_sum": None, "carry": None, "block_keys": None}
+_SAVED_ROWS = ("pos", "cos_e", "cos_c")
 
-
-# The same building blocks as whole-context scoring, so a stream that never evicts scores identically.
 _unit, _cos = scoring._unit, scoring._cos
-block_cosine, window_cosine = scoring.block_cosine, scoring.window_cosine
+
+
+class StreamScorer:
+    """A press's streaming memory; this one keeps none and scores the stored keys with ``press.score``."""
+
+    features: ClassVar[tuple[str, ...]] = ()  # per-row features, kept aligned with the stored rows
+
+    def __init__(self, press, context_len: Optional[int]):
+        self.press = press
+
+    def observe(self, keys: mx.array, p0: int, rows: dict, unrope) -> dict:
+        """Fold a new chunk ``[B,H,n,D]`` at positions ``p0..`` in; return its rows' features. ``rows``: the
+        stored rows' features, which a scorer may refresh in place."""
+        return {}
+
+    def scores(self, keys: mx.array, rows: dict, valid: Optional[mx.array]) -> mx.array:
+        return self.press.score(keys)
+
+    def arrays(self) -> list:
+        return []
+
+    def to_state(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_state(cls, press, state: dict) -> "StreamScorer":
+        return cls(press, None)
+
+
+class AnchorScorer(StreamScorer):
+    """KeyDiff's memory: the running sum of the unit keys of every token seen (the global anchor)."""
+
+    def __init__(self, press, context_len: Optional[int]):
+        super().__init__(press, context_len)
+        self.g_sum: Optional[mx.array] = None  # [B,H,1,D] fp32
+
+    def unit_keys(self, keys: mx.array, p0: int, unrope) -> mx.array:
+        """The chunk's unit keys (unrotated when the press says so), folded into the anchor."""
+        if self.press.unrotate:
+            keys = required(unrope, self.press.name)(keys, p0)
+        ku = _unit(keys.astype(mx.float32))
+        total = mx.sum(ku, axis=2, keepdims=True)
+        self.g_sum = total if self.g_sum is None else self.g_sum + total
+        return ku
+
+    def observe(self, keys, p0, rows, unrope):
+        self.unit_keys(keys, p0, unrope)
+        return {}
+
+    def stable(self, keys: mx.array) -> mx.array:
+        """Cosine of each stored key with the anchor."""
+        ku = _unit(keys.astype(mx.float32))
+        dots = (ku @ self.g_sum.swapaxes(-1, -2))[..., 0]
+        return _cos(dots, mx.linalg.norm(self.g_sum, axis=-1))
+
+    def scores(self, keys, rows, valid):
+        return -self.stable(keys)
+
+    def arrays(self):
+        return [] if self.g_sum is None else [self.g_sum]
+
+    def to_state(self):
+        return {"g_sum": self.g_sum}
+
+    @classmethod
+    def from_state(cls, press, state):
+        s = cls.__new__(cls)
+        s.press, s.g_sum = press, state["g_sum"]
+        return s
 
 
 class StreamState:
     """Per-layer running statistics of a streaming prefill; rows are aligned with the cache's stored rows."""
 
     def __init__(self, press, context_len: Optional[int]):
-        self._bind(press)
-        if self.nested and press.block is None and context_len is None:
-            raise ValueError(
-                "streaming NestedKV needs the document's token count for its block size: "
-                "make_cache(model, press, context_len=N) (or set the press's block)"
-            )
-        self.block = (press.block or scoring.block_size(context_len)) if self.nested else 0
+        self._start(press, press.stream_scorer(press, context_len))
+
+    def _start(self, press, scorer: StreamScorer) -> None:
+        self.press, self.scorer = press, scorer
         self.seen = 0  # positions observed
         self.evicted = False
-        self.g_sum: Optional[mx.array] = None  # [B,H,1,D] fp32 running sum of unit keys
-        self.carry: Optional[mx.array] = None  # [B,H,<window,D] last unit keys (window anchor)
-        self.block_keys: Optional[mx.array] = None  # [B,H,<block,D] unit keys of the open block
-        self.block_start = 0  # position of the open block's first token
-        self.rows: dict[str, Optional[mx.array]] = {k: None for k in _FEATURES}  # each [B,H,R]
+        self.rows: dict[str, Optional[mx.array]] = {k: None for k in ("pos", *scorer.features)}  # each [B,H,R]
 
-    def _bind(self, press) -> None:
-        self.press = press
-        self.nested = press.name == "nestedkv"
-        self.anchored = press.name in ("nestedkv", "keydiff")
-        self.window = press.window if self.nested else 0
+    def __getattr__(self, name):
+        # The press's own statistics (g_sum, block, ...) read through the state, as when it held them all.
+        if name == "scorer":
+            raise AttributeError(name)
+        return getattr(self.scorer, name)
 
     # -- feeding ---------------------------------------------------------------------------------
     def observe(self, keys: mx.array, unrope=None) -> dict:
         """Update the running statistics with a new chunk ``[B,H,n,D]``; return the new rows' features (append
-        them with ``append`` once the old rows are evicted). Pending block cosines of stored rows are refreshed.
-        ``unrope``: the model's inverse rope, for a press that scores unrotated keys."""
+        them with ``append`` once the old rows are evicted). ``unrope``: the model's inverse rope, for a press
+        that scores unrotated keys."""
         B, H, n, _ = keys.shape
         p0 = self.seen
         self.seen += n
         new = {"pos": mx.broadcast_to(mx.arange(p0, p0 + n, dtype=mx.int32), (B, H, n))}
-        if not self.anchored:
-            return new
-        if self.press.unrotate:
-            keys = required(unrope, self.press.name)(keys, p0)
-        ku = _unit(keys.astype(mx.float32))
-        total = mx.sum(ku, axis=2, keepdims=True)
-        self.g_sum = total if self.g_sum is None else self.g_sum + total
-        if not self.nested:
-            return new
-        # Window: this chunk plus the carried keys, so each new token sees its full trailing window.
-        ext = ku if self.carry is None else mx.concatenate([self.carry, ku], axis=2)
-        new["cos_c"] = window_cosine(ext, self.window)[:, :, ext.shape[2] - n :]
-        self.carry = ext[:, :, max(0, ext.shape[2] - (self.window - 1)) :]
-        # Blocks: cosines of every token of the open block(s); a trailing partial block is provisional.
-        cur = ku if self.block_keys is None else mx.concatenate([self.block_keys, ku], axis=2)
-        cos = block_cosine(cur, self.block)  # [B,H,L], positions block_start..
-        new["cos_e"] = cos[:, :, cur.shape[2] - n :]
-        if self.rows["pos"] is not None:
-            rel = self.rows["pos"] - self.block_start
-            pending = rel >= 0
-            got = mx.take_along_axis(cos, mx.clip(rel, 0, cos.shape[2] - 1), axis=2)
-            self.rows["cos_e"] = mx.where(pending, got, self.rows["cos_e"])
-        done = (cur.shape[2] // self.block) * self.block
-        self.block_start += done
-        self.block_keys = cur[:, :, done:]
-        return new
+        return {**new, **self.scorer.observe(keys, p0, self.rows, unrope)}
 
     def append(self, new: dict) -> None:
         for k, v in new.items():
@@ -113,109 +145,32 @@ class StreamState:
         self.evicted = True
 
     def arrays(self) -> list:
-        return [a for a in (self.g_sum, self.carry, self.block_keys, *self.rows.values()) if a is not None]
+        return [*self.scorer.arrays(), *(a for a in self.rows.values() if a is not None)]
+
+    def copy(self) -> "StreamState":
+        """An independent copy (arrays are immutable and shared; the statistics are rebound, never written)."""
+        out = copy.copy(self)
+        out.scorer, out.rows = copy.copy(self.scorer), dict(self.rows)
+        return out
 
     # -- scoring ---------------------------------------------------------------------------------
     def scores(self, keys: mx.array, valid: Optional[mx.array], unrope=None) -> mx.array:
         """Scores ``[B,H,R]`` of the stored rows ``keys`` [B,H,R,D]; invalid (padded) rows get -inf."""
         if self.press.unrotate:
             keys = at_positions(required(unrope, self.press.name), keys, self.rows["pos"])
-        if self.nested:
-            s = self._nestedkv(keys, valid)
-        elif self.anchored:
-            s = -self._stable(keys)
-        else:
-            s = self.press.score(keys)
+        s = self.scorer.scores(keys, self.rows, valid)
         return s if valid is None else mx.where(valid, s, -mx.inf)
-
-    def _stable(self, keys):
-        ku = _unit(keys.astype(mx.float32))
-        dots = (ku @ self.g_sum.swapaxes(-1, -2))[..., 0]
-        return _cos(dots, mx.linalg.norm(self.g_sum, axis=-1))
-
-    def _nestedkv(self, keys, valid):
-        p = self.press
-        raw = -mx.stack([self._stable(keys), self.rows["cos_e"], self.rows["cos_c"]], axis=-1)  # [B,H,R,3]
-        return combine(raw, valid, prior=p.prior, beta=p.beta, tail=p.tail, tau=p.tau, kappa=p.kappa,
-                       use_gate=p.use_gate, scales=p.scales)
 
     # -- save / load -----------------------------------------------------------------------------
     def to_state(self) -> dict:
-        return {
-            "seen": self.seen, "evicted": int(self.evicted), "block_start": self.block_start,
-            "block": self.block, "g_sum": self.g_sum, "carry": self.carry, "block_keys": self.block_keys,
-            **{f"row_{k}": v for k, v in self.rows.items()},
-        }
+        rows = {f"row_{k}": self.rows.get(k) for k in _SAVED_ROWS}
+        return {"seen": self.seen, "evicted": int(self.evicted), **_SAVED, **self.scorer.to_state(), **rows,
+                **{f"row_{k}": v for k, v in self.rows.items()}}
 
     @classmethod
     def from_state(cls, press, state: dict) -> "StreamState":
         s = cls.__new__(cls)
-        s._bind(press)
+        s._start(press, press.stream_scorer.from_state(press, state))
         s.seen, s.evicted = int(state["seen"]), bool(state["evicted"])
-        s.block_start, s.block = int(state["block_start"]), int(state["block"])
-        s.g_sum, s.carry, s.block_keys = state["g_sum"], state["carry"], state["block_keys"]
-        s.rows = {k: state[f"row_{k}"] for k in _FEATURES}
+        s.rows = {k: state[f"row_{k}"] for k in s.rows}
         return s
-
-
-# -- NestedKV's outer learner over (possibly padded) stored rows ------------------------------------------
-def _masked_minmax(x: mx.array, valid: Optional[mx.array]) -> mx.array:
-    """Min-max along axis 2 over valid rows only; ``valid`` broadcasts against ``x``."""
-    if valid is None:
-        valid = mx.array(True)
-    lo = mx.min(mx.where(valid, x, mx.inf), axis=2, keepdims=True)
-    span = mx.max(mx.where(valid, x, -mx.inf), axis=2, keepdims=True) - lo
-    out = mx.where(span > EPS, (x - lo) / mx.maximum(span, EPS), 0.0)
-    return mx.where(valid, out, 0.0)
-
-
-def _tail_gap(x: mx.array, valid: Optional[mx.array], tail: float) -> mx.array:
-    """Mean of the top ``tail`` share minus mean of the bottom share of each head's valid rows: x [B,H,R,S]."""
-    B, H, R, _ = x.shape
-    if valid is None:
-        valid = mx.ones((B, H, R), dtype=mx.bool_)
-    # q = max(1, ceil(tail * n)) in float64, as scoring.tail_gap does in Python (0.1 * 700 differs in fp32).
-    counts = np.array(mx.sum(valid, axis=2)).astype(np.float64)  # [B,H]
-    q = mx.array(np.maximum(1, np.ceil(tail * counts)).astype(np.float32))[:, :, None, None]
-    v = valid[..., None]
-    rank = mx.arange(R)[None, None, :, None]
-    lo = mx.sort(mx.where(v, x, mx.inf), axis=2)  # valid rows first, ascending
-    hi = mx.sort(mx.where(v, x, -mx.inf), axis=2)  # valid rows last, ascending
-    bottom = mx.sum(mx.where(rank < q, lo, 0.0), axis=2)
-    top = mx.sum(mx.where(rank >= R - q, hi, 0.0), axis=2)
-    return (top - bottom) / q[:, :, 0, :]
-
-
-def combine(
-    raw: mx.array,
-    valid: Optional[mx.array] = None,
-    *,
-    prior=scoring.PRIOR,
-    beta: float = scoring.BETA,
-    tail: float = scoring.TAIL,
-    tau: float = scoring.TAU,
-    kappa: float = scoring.KAPPA,
-    use_gate: bool = True,
-    scales=(True, True, True),
-) -> mx.array:
-    """NestedKV's score from raw per-scale anomalies ``[B,H,R,3]`` (= -cosines): min-max per scale, head-adaptive
-    mixing, surprise gate; the same steps as ``scoring.nestedkv_scores`` restricted to the valid rows."""
-    vm = None if valid is None else valid[..., None]
-    at = _masked_minmax(raw, vm)
-    if not all(scales):  # the press validated that at least one is on
-        at = at[..., [i for i, on in enumerate(scales) if on]]
-        prior = tuple(p for p, on in zip(prior, scales) if on)
-    gap = _tail_gap(at, valid, tail)
-    w = mx.softmax(mx.log(mx.array(prior, dtype=mx.float32)) + beta * gap, axis=-1)
-    blend = mx.sum(at * w[:, :, None, :], axis=-1)
-    if not use_gate or at.shape[-1] == 1:
-        return blend
-    surprise = _masked_minmax(mx.sqrt(mx.var(at, axis=-1)), valid)
-    if valid is None:
-        surprise = surprise - mx.mean(surprise, axis=2, keepdims=True)
-    else:
-        n = mx.sum(valid, axis=2, keepdims=True).astype(mx.float32)
-        surprise = surprise - mx.sum(surprise, axis=2, keepdims=True) / mx.maximum(n, 1.0)
-    gate = mx.sigmoid(kappa * (surprise - tau))
-    return (1.0 - gate) * blend + gate * mx.max(at, axis=-1)
-

@@ -12,7 +12,6 @@ decode tokens per second. Writes ``memory.json``, ``memory.md`` and ``memory.png
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -151,18 +150,3 @@ def main(model: str, lengths: list[int], budget: int, ratio: float, chunk: int, 
     print(to_markdown(rows))
     print(f"wrote {folder / 'memory.md'}, {folder / 'memory.json'} and {folder / 'memory.png'}")
     return rows
-
-
-if __name__ == "__main__":
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--compression-ratio", type=float, default=0.75)
-    ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--out", default="reports/memory")
-    a = ap.parse_args()
-    main(a.model, [int(x) for x in a.lengths.split(",")], a.budget, a.compression_ratio, a.chunk, a.new_tokens,
-         a.out)

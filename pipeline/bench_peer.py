@@ -1,7 +1,7 @@
 """Side by side with kvpress (PyTorch) on the same CPU: same documents, weights, prompt tokens and methods.
 
-    python -m pipeline.bench_peer [--input data/eval_set.parquet] [--docs 2] [--max-new-tokens 24]
-        [--compression-ratio 0.75] [--peer-python .venv-peer/bin/python] [--peer-threads 1] [--out FILE]
+    nkv bench peer [--input data/eval_set.parquet] [--docs 2] [--new-tokens 24] [--compression-ratio 0.75]
+        [--peer-python .venv-peer/bin/python] [--peer-threads 1] [--out FILE]
 
 kvpress runs in its own environment (README, "Side by side with kvpress"), as a subprocess started on
 ``pipeline/peer_worker.py`` that exchanges JSON files, so this process never imports torch. Steps:
@@ -20,14 +20,12 @@ compression, question and decode): one method, and the five-configuration sweep.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -354,25 +352,26 @@ def measure(a) -> dict:
     return report
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench_peer", description=__doc__.splitlines()[0])
-    ap.add_argument("--input", default="data/eval_set.parquet")
-    ap.add_argument("--docs", type=int, default=2, help="documents (with questions) from the start of the input")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--compression-ratio", type=float, default=0.75)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--peer-python", default=os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON))
-    ap.add_argument("--peer-threads", type=int, default=1, help="torch threads on the kvpress side")
-    ap.add_argument("--export-dir", default=DEFAULT_EXPORT, help="where the fp32 transformers copy is written")
-    ap.add_argument("--probe-tokens", type=int, default=256)
-    ap.add_argument("--tolerance", type=float, default=1e-2, help="max |logit difference| on the probe")
-    ap.add_argument("--out", default=None, help="also write the report as JSON")
-    a = ap.parse_args(argv)
-    try:
-        report = measure(a)
-    except Refusal as exc:
-        print(f"bench_peer: {exc}", file=sys.stderr)
-        sys.exit(3)
+@dataclass(frozen=True)
+class PeerOptions:
+    """What ``nkv bench peer`` runs: ``docs`` documents (with questions) from the start of ``input``."""
+
+    input: str = "data/eval_set.parquet"
+    docs: int = 2
+    model: str = "smollm2-135m"
+    compression_ratio: float = 0.75
+    max_new_tokens: int = 24
+    peer_python: str = field(default_factory=lambda: os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON))
+    peer_threads: int = 1  # torch threads on the kvpress side
+    export_dir: str = DEFAULT_EXPORT  # where the fp32 transformers copy is written
+    probe_tokens: int = 256
+    tolerance: float = 1e-2  # max |logit difference| on the probe
+    out: Optional[str] = None  # also write the report as JSON
+
+
+def run(a: PeerOptions) -> dict:
+    """The benchmark, printed (and written to ``a.out``); ``Refusal`` when it cannot compare."""
+    report = measure(a)
     print(f"{len(report['doc_ids'])} documents of {a.input} ({report['ours']['context_tokens']} context tokens), "
           f"r = {a.compression_ratio:g}, max {a.max_new_tokens} new tokens; kvpress "
           f"{report['peer_versions'].get('kvpress')} on torch {report['peer_versions'].get('torch')} with "
@@ -385,7 +384,3 @@ def main(argv=None) -> dict:
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
     return report
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,7 @@
 """Documents per hour: one document at a time, documents decoded together, and a re-run with a new budget
 from a warm prefill cache, on the same batch in one process (the model is loaded before timing).
 
-    python -m pipeline.bench_throughput [--input data/sample_batch.parquet] [--task summarize]
-        [--batch-size 5] [--max-new-tokens 128] [--compression-ratio 0.75] [--rerun-ratio 0.9] [--no-rerun]
+    nkv bench throughput [--input data/sample_batch.parquet] [--batch-size 5] [--compression-ratio 0.75]
 
 Also checks that the batched answers equal the one-at-a-time ones (greedy), and says where they differ. The
 re-run (at ``--rerun-ratio``) is timed four ways: without and with the warm prefill cache, one document at a
@@ -11,12 +10,11 @@ time and decoded together. ``--no-rerun`` measures only the first two (e.g. to c
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Optional
 
-import nestedkv
 from pipeline.bench import timed as _timed
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
@@ -77,29 +75,15 @@ def measure_rerun(input: str, config: RunConfig, rerun_ratio: float, batch_size:
     }
 
 
-def main(argv=None) -> dict:
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench_throughput", description=__doc__.splitlines()[0])
-    ap.add_argument("--input", default="data/sample_batch.parquet")
-    ap.add_argument("--task", default="summarize", choices=["qa", "summarize"])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--batch-size", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--compression-ratio", type=float, default=0.75)
-    ap.add_argument("--rerun-ratio", type=float, default=0.9)
-    ap.add_argument("--no-rerun", action="store_true", help="skip the re-run and prefill cache figures")
-    ap.add_argument("--out", default=None, help="also write the figures as JSON")
-    a = ap.parse_args(argv)
+def run_benchmark(input: str = "data/sample_batch.parquet", task: str = "summarize", model: str = DEFAULT_MODEL,
+                  batch_size: int = 5, max_new_tokens: int = 128, ratio: float = 0.75, rerun_ratio: float = 0.9,
+                  rerun: bool = True, out: Optional[str] = None) -> dict:
+    """``measure`` in a temporary folder, printed (and written to ``out`` as JSON)."""
     with tempfile.TemporaryDirectory(prefix="nkv-throughput-") as tmp:
-        figures = measure(a.input, a.task, a.model, a.batch_size, a.max_new_tokens, a.compression_ratio,
-                          a.rerun_ratio, Path(tmp), rerun=not a.no_rerun)
+        figures = measure(input, task, model, batch_size, max_new_tokens, ratio, rerun_ratio, Path(tmp), rerun=rerun)
     width = max(map(len, figures))
     for k, v in figures.items():
         print(f"{k:<{width}}  {v}")
-    if a.out:
-        Path(a.out).write_text(json.dumps(figures, indent=2))
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2))
     return figures
-
-
-if __name__ == "__main__":
-    main()

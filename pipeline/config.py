@@ -13,7 +13,7 @@ import json
 from importlib import metadata
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
@@ -33,6 +33,9 @@ QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from t
 # Greedy summaries from small models loop ("The game of chance is a game of chance..."); a mild
 # penalty over the last 64 generated tokens stops that. QA stays plain greedy unless asked.
 SUMMARY_REPETITION_PENALTY = 1.1
+REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
+# A field added after runs were stored: left out of the hash while at its default, so those runs still resume.
+HASHED_WHEN_SET = {"hashed_when_set": True}
 
 # The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
 PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "kv_bits",
@@ -111,18 +114,13 @@ class PressSettings(_Settings):
         if self.kv_bits is not None:
             kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
         try:
-            return get_press(self.press, **kw, **_tuples(self.press_params))
+            return get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
         except TypeError as exc:  # an unknown parameter name
             raise ValueError(str(exc)) from None
 
     def press_key(self) -> dict:
         """The press's full parameter set, defaults included (what the hash must cover)."""
         return json.loads(self.make_press().to_json())
-
-
-def _tuples(params: dict) -> dict:
-    # JSON has no tuples; the presses' sequence parameters (scales, prior) are tuples.
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
 
 
 class GenerationSettings(_Settings):
@@ -135,6 +133,15 @@ class GenerationSettings(_Settings):
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
                                                 "1.0 disables")
+    repetition_context_size: int = Field(REPETITION_CONTEXT, ge=1, le=INT32_MAX, json_schema_extra=HASHED_WHEN_SET,
+                                         description="tokens (question and answer so far) the repetition penalty "
+                                         "looks back over "
+                                         "(mlx-lm's --repetition-context-size)")
+
+    def penalty(self) -> Optional[tuple[float, int]]:
+        """(repetition penalty, tokens it looks back over), or None when off (mlx-lm's logits processor)."""
+        p = self.repetition_penalty
+        return (p, self.repetition_context_size) if p and p != 1.0 else None
 
     @field_validator("qa_instruction")
     @classmethod
@@ -157,12 +164,26 @@ class RunConfig(GenerationSettings, PressSettings):
             data = {**data, "repetition_penalty": SUMMARY_REPETITION_PENALTY}
         return data
 
+    # The hash builds the press (its full parameter set), and plans ask for it per document: computed once.
+    _hash: Optional[str] = PrivateAttr(None)
+
     def __hash__(self) -> int:  # press_params is a dict: hash what identifies the run
         return hash(self.config_hash())
 
+    def __eq__(self, other) -> bool:  # the fields only, not the cached hash
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    def model_copy(self, *, update=None, deep: bool = False) -> "RunConfig":
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy._hash = None  # other fields, another hash
+        return copy
+
     def canonical_json(self) -> str:
         # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
-        dump = self.model_dump(exclude=set(KV_FIELDS) if self.kv_bits is None else None)
+        new = {n for n, f in type(self).model_fields.items()
+               if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
+        dump = self.model_dump(exclude=new | (set(KV_FIELDS) if self.kv_bits is None else set()))
         dump["press_params"] = self._hashed_params()
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 
@@ -173,7 +194,9 @@ class RunConfig(GenerationSettings, PressSettings):
         return {**params, "unrotate": True} if self.make_press().unrotate else params
 
     def config_hash(self) -> str:
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        if self._hash is None:
+            self._hash = hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        return self._hash
 
     @property
     def is_reference(self) -> bool:
@@ -200,19 +223,16 @@ class RunConfig(GenerationSettings, PressSettings):
         return f"{self.press} {size} {self.head_budget}{mode}{quant}{extra}"
 
 
-class BatchOptions(GenerationSettings):
-    """Generation settings plus how a batch runs (the flows' ``options`` parameter)."""
+class EngineSettings(_Settings):
+    """How the engine works through a batch, beyond what each answer depends on."""
 
-    retries: int = Field(2, ge=0, le=100, description="task retries for transient errors (device memory, I/O)")
-    retry_delay_s: float = Field(5.0, ge=0, allow_inf_nan=False, description="seconds between retries")
     batch_decode: bool = Field(False, description="decode the configurations of a document together")
     batch_size: int = Field(1, ge=1, le=4096, description="documents decoded together (each prefilled and "
                             "compressed on its own; same answers, one transaction per document)")
-    wait: float = Field(0.0, ge=0, description="seconds to wait for another writer to release the store")
     prefill_cache: Optional[str] = Field(None, description="folder of reusable uncompressed prefills: a re-run "
                                          "with a new budget or method skips the prefill")
-    prefill_cache_gb: float = Field(20.0, gt=0, allow_inf_nan=False, description="size cap of the prefill cache (least recently used "
-                                    "entries go first)")
+    prefill_cache_gb: float = Field(20.0, gt=0, allow_inf_nan=False, description="size cap of the prefill cache "
+                                    "(least recently used entries go first)")
     on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
                                                  "prefill runs out of memory is redone evicting while prefilling")
 
@@ -225,8 +245,44 @@ class BatchOptions(GenerationSettings):
             check_folder(v)
         return v
 
+
+class EngineOptions(EngineSettings):
+    """The engine's options: its settings, and what kind of batch it is. ``reference`` stores the no_press
+    twin as its own run; ``evaluate`` scores each configuration against it (and implies it); ``metrics``
+    names extra metric hooks (``pipeline.evaluate.METRIC_HOOKS``)."""
+
+    reference: bool = False
+    evaluate: bool = False
+    metrics: tuple[str, ...] = ()
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from pipeline.evaluate import METRIC_HOOKS
+
+        unknown = [m for m in v if m not in METRIC_HOOKS]
+        if unknown:
+            raise ValueError(f"unknown metrics {unknown}; known: {', '.join(METRIC_HOOKS)}")
+        return v
+
+    @property
+    def with_reference(self) -> bool:
+        return self.reference or self.evaluate
+
+
+class BatchOptions(GenerationSettings, EngineSettings):
+    """Generation and engine settings plus how a batch is retried and waits (the flows' ``options``)."""
+
+    retries: int = Field(2, ge=0, le=100, description="task retries for transient errors (device memory, I/O)")
+    retry_delay_s: float = Field(5.0, ge=0, allow_inf_nan=False, description="seconds between retries")
+    wait: float = Field(0.0, ge=0, description="seconds to wait for another writer to release the store")
+
     def generation(self) -> dict:
         return self.model_dump(include=set(GenerationSettings.model_fields))
+
+    def engine(self, **kind) -> EngineOptions:
+        """The engine's options for this batch; ``kind``: reference, evaluate, metrics."""
+        return EngineOptions(**self.model_dump(include=set(EngineSettings.model_fields)), **kind)
 
 
 def parse_kv_bits(text: str) -> Optional[int]:

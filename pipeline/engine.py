@@ -18,57 +18,16 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from itertools import product
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from pipeline.config import REFERENCE_PRESS, BatchOptions, RunConfig
+from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document, RowError, check_input, load_documents
 from pipeline.results import ERROR, OK, DocumentResult
+from pipeline.spec import BatchSpec, check_configs, make_configs
 from pipeline.store import StoreError, StoreWriteError
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What a batch does beyond answering: ``reference`` stores the no_press twin as its own run;
-    ``evaluate`` scores each configuration against it (and implies it); ``batch_decode`` decodes the
-    configurations of a document together; ``metrics`` names extra metric hooks
-    (``pipeline.evaluate.METRIC_HOOKS``); ``prefill_cache`` reuses whole-context prefills across runs;
-    ``on_oom="streaming"`` retries a document whose whole-context prefill runs out of memory in streaming
-    mode (its rows say so in ``error``, with status ok)."""
-
-    reference: bool = False
-    evaluate: bool = False
-    batch_decode: bool = False
-    metrics: tuple[str, ...] = ()
-    prefill_cache: Optional[str] = None  # folder of reusable uncompressed prefills (pipeline.prefill_cache)
-    prefill_cache_gb: float = 20.0
-    on_oom: str = "fail"  # "streaming": a whole-context prefill out of memory is redone evicting while prefilling
-    batch_size: int = 1  # documents decoded together (each prefilled and compressed on its own)
-
-    def __post_init__(self):
-        from pipeline.evaluate import METRIC_HOOKS
-
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
-        if self.on_oom not in ("fail", "streaming"):
-            raise ValueError(f"on_oom must be fail or streaming, got {self.on_oom!r}")
-        unknown = [m for m in self.metrics if m not in METRIC_HOOKS]
-        if unknown:
-            raise ValueError(f"unknown metrics {unknown}; known: {', '.join(METRIC_HOOKS)}")
-
-    @property
-    def with_reference(self) -> bool:
-        return self.reference or self.evaluate
-
-    @classmethod
-    def for_batch(cls, options: BatchOptions, **kw) -> "EngineOptions":
-        """The engine's options for a batch's ``BatchOptions`` (``kw``: reference, evaluate, metrics)."""
-        return cls(batch_decode=options.batch_decode, batch_size=options.batch_size,
-                   prefill_cache=options.prefill_cache, prefill_cache_gb=options.prefill_cache_gb,
-                   on_oom=options.on_oom, **kw)
 
 
 @dataclass
@@ -91,57 +50,6 @@ class Outcome:
     config: RunConfig
     result: DocumentResult
     scores: Optional[list[dict]] = None
-
-
-# -- configurations ---------------------------------------------------------------------------------
-def check_configs(configs: Iterable[RunConfig]) -> list[RunConfig]:
-    """Deduplicated configurations; ``ValueError`` unless they differ only in their press settings."""
-    out: list[RunConfig] = []
-    for cfg in configs:
-        if not isinstance(cfg, RunConfig):
-            raise TypeError(f"configs must be RunConfig objects, got {type(cfg).__name__}")
-        if cfg.is_reference:
-            cfg = cfg.reference()  # one canonical reference whatever ratio or budget it was given
-        if cfg not in out:
-            out.append(cfg)
-    if not out:
-        raise ValueError("a batch needs at least one configuration")
-    want = out[0].shared()
-    for cfg in out[1:]:
-        got = cfg.shared()
-        diff = sorted(k for k in want if want[k] != got[k])
-        if diff:
-            detail = ", ".join(f"{k}={got[k]!r} (first: {want[k]!r})" for k in diff)
-            raise ValueError(f"the configurations of one batch share one prefill per document, so they may "
-                             f"differ only in their press settings; {cfg.label()} differs in {detail}")
-    return out
-
-
-def make_configs(base: RunConfig, presses: Sequence[str], compression_ratios: Sequence[float] = (),
-                 budgets: Sequence[int] = (), head_budgets: Sequence[Optional[str]] = (None,),
-                 prefills: Sequence[str] = ("whole",), press_params: Optional[dict] = None,
-                 kv_bits: Sequence[Optional[int]] = (None,), kv_group_sizes: Sequence[int] = (64,)) -> list[RunConfig]:
-    """Every press x size x head budget x prefill mode x KV width (sizes: the ``budgets`` when given, else the
-    ratios; head budget None: each press's default; kv bits None: the model's dtype); ``no_press`` once per
-    KV width. Validation errors name the bad value."""
-    sizes = [{"budget": int(b), "compression_ratio": 0.0} for b in budgets] if budgets else [
-        {"compression_ratio": float(r), "budget": None} for r in compression_ratios]
-    if not sizes and any(p != REFERENCE_PRESS for p in presses):
-        raise ValueError("give at least one compression ratio or budget")
-    params = press_params or {}
-    out = []
-    quant = [{"kv_bits": b, "kv_group_size": g} for b, g in product(kv_bits or (None,), kv_group_sizes or (64,))]
-    for press in presses:
-        if press == REFERENCE_PRESS:
-            if params:  # refused by the settings, not silently dropped by reference()
-                RunConfig.model_validate({**base.model_dump(), "press": press, "press_params": params})
-            out.extend(RunConfig.model_validate({**base.reference().model_dump(), **q}) for q in quant)
-            continue
-        for size, hb, mode, q in product(sizes, head_budgets, prefills, quant):
-            # model_validate, not model_copy: the new press settings must be validated.
-            out.append(RunConfig.model_validate({**base.model_dump(), "press": press, "head_budget": hb,
-                                                 "prefill": mode, "press_params": params, **size, **q}))
-    return check_configs(out)
 
 
 # -- what a batch still has to do ---------------------------------------------------------------------
@@ -526,7 +434,7 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
         for j, (doc, outcomes) in enumerate(zip(group, per_doc), first):
             summary.n_processed += 1
             summary.n_results += len(outcomes)
-            summary.n_failed += sum(o.result.status != OK for o in outcomes)
+            summary.n_failed += sum(not o.result.all_ok for o in outcomes)
             summary.outcomes.extend(outcomes)
             if hooks.on_document:
                 hooks.on_document(j, len(docs), doc, outcomes)
@@ -571,6 +479,12 @@ def run(input: str, configs: Sequence[RunConfig], db: str, options: EngineOption
         return run_batch(store, plan, hooks=hooks, runner=runner)
 
 
+def run_spec(spec: BatchSpec, *, hooks: Hooks = NO_HOOKS, runner=None) -> Summary:
+    """``run`` for a batch spec: its input, configurations, store and engine options."""
+    return run(spec.input, spec.configs(), spec.db, spec.engine_options(), hooks=hooks, runner=runner,
+               wait_s=spec.options.wait)
+
+
 __all__ = ["ERROR", "OK", "EngineOptions", "Hooks", "Outcome", "Plan", "Summary", "check_configs", "close_plan",
            "compute", "make_configs", "make_runner", "open_plan", "process_document", "process_documents", "run",
-           "run_batch"]
+           "run_batch", "run_spec"]

@@ -175,6 +175,8 @@ def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], refer
     with the reference run (dropped when there is none). NaN values are not stored."""
     rows = []
     for q, s in zip(result.questions, scores):
+        if q.status == "too_long":  # never answered: no evaluation (its outputs row names why)
+            continue
         for metric, value in (s or {}).items():
             ref = None if metric in GOLD_METRICS else reference_run_id
             if (ref is None and metric not in GOLD_METRICS) or value is None or math.isnan(value):
@@ -216,7 +218,9 @@ class Reference:
 
         answers, targets, logits = [], [], []
         gold = gold_targets(runner.tokenizer, prepared)
-        nll = [gold_nll(runner.model, cache, q_ids, g) for (_, q_ids, _), g in zip(prepared.questions, gold)]
+        # a question too long for the window is never fed (its row says so): no NLL
+        nll = [math.nan if q.status == "too_long" else gold_nll(runner.model, cache, q_ids, g)
+               for q, (_, q_ids, _), g in zip(res.questions, prepared.questions, gold)]
         for q, (_, q_ids, _) in zip(res.questions, prepared.questions):
             ok = q.status == "ok"
             answers.append(q.output if ok else None)

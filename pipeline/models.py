@@ -69,10 +69,37 @@ class ModelLoadError(ValueError):
     """A model reference could not be resolved, fetched, converted or loaded."""
 
 
-def cache_root() -> Path:
-    """Where converted models live: ``$NKV_CACHE_DIR`` or ``~/.cache/nestedkv-pipeline/models``."""
-    env = os.environ.get("NKV_CACHE_DIR")
+CACHE_ENV = "NKV_CACHE_DIR"
+
+
+def cache_dir_problem() -> str | None:
+    """Why ``$NKV_CACHE_DIR`` cannot hold converted models, as one line naming the variable and the fix;
+    None when it is unset or fine. Asked before any work (``nkv run`` and the other commands); nothing is
+    created. A relative path is refused: flow runs and workers start in other folders."""
+    from pipeline.paths import unwritable
+
+    env = os.environ.get(CACHE_ENV)
+    if env is None:
+        return None
+    path = Path(env).expanduser()
+    why = ("it is empty" if not env.strip() else
+           "a relative path (a flow run elsewhere would use another folder)" if not path.is_absolute() else
+           unwritable(path))
+    return why and f"{CACHE_ENV}={env}: {why}; point {CACHE_ENV} at a writable folder (an absolute path) or unset it"
+
+
+def _cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "nestedkv-pipeline" / "models"
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$NKV_CACHE_DIR`` or ``~/.cache/nestedkv-pipeline/models``; a bad
+    ``NKV_CACHE_DIR`` is a ``ModelLoadError`` naming it (``cache_dir_problem``)."""
+    problem = cache_dir_problem()
+    if problem:
+        raise ModelLoadError(problem)
+    return _cache_path()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,7 +382,7 @@ def list_models() -> list[dict]:
         rows.append({"name": name, "kind": "builtin", "package": package, "installed": parts is not None,
                      "path": str(parts[0]) if parts and len(parts) == 1 else None,
                      "size_bytes": sum(p.stat().st_size for p in parts) if parts else None})
-    root = cache_root()
+    root = _cache_path()  # listing writes nothing: a read-only cache folder still lists
     for d in sorted(root.iterdir()) if root.is_dir() else []:
         marker = d / _MARKER
         if d.name.startswith(".") or not marker.is_file():

@@ -18,7 +18,14 @@ import pyarrow as pa
 
 from pipeline.store import Store, StoreError
 
-PRESS_ORDER = ("no_press", "nestedkv", "keydiff", "knorm", "streaming_llm", "random")
+
+
+def press_order() -> tuple[str, ...]:
+    """Report rows: the reference, then the registered methods in their rank order (loaded on first use, so
+    that importing the report does not load mlx)."""
+    from nestedkv.press import PRESSES, NoPress
+
+    return (NoPress.name, *(n for n, cls in PRESSES.items() if cls is not NoPress))
 MARKDOWN_NAME = "report.md"
 PLOT_NAME = "quality_vs_ratio.png"
 MARKERS = ("o", "o", "s", "^", "D", "v", "P", "X")
@@ -52,7 +59,8 @@ class Report:
 
 def _order(row: dict) -> tuple:
     press = row["press"]
-    rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER)
+    order = press_order()
+    rank = order.index(press) if press in order else len(order)
     return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
             -(row.get("kv_bits") or 16), row["budget"] or 0, row["compression_ratio"])
 
@@ -163,7 +171,8 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
         pts = sorted(pts, key=lambda x: x["compression_ratio"])
         xs = [p["compression_ratio"] for p in pts]
         press = pts[0]["press"]
-        rank = PRESS_ORDER.index(press) if press in PRESS_ORDER else len(PRESS_ORDER) + len(lines)
+        order = press_order()
+        rank = order.index(press) if press in order else len(order) + len(lines)
         shade = {None: 0, 8: 6, 4: 7}.get(pts[0].get("kv_bits"), 8)  # one color per method and KV width
         style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{(rank - 1 + shade) % 10}", "label": name,
                  "linestyle": "--" if pts[0]["head_budget"] == "adaptive" else "-",

@@ -56,6 +56,21 @@ class DocumentResult:
         return self
 
     @property
+    def all_ok(self) -> bool:
+        """The document and every question ended ok (a question too long for the window leaves the document
+        ok, its other answers stored, but not done: resume runs it again)."""
+        return self.status == OK and all(q.status == OK for q in self.questions)
+
+    @property
+    def problems(self) -> Optional[str]:
+        """What went wrong, in one line: a failed document's error; for an ok one, its note (truncation) and the
+        errors of its questions that did not end ok. None when there is nothing to say."""
+        if self.status != OK:
+            return self.error
+        return "; ".join([self.error] * bool(self.error) + [q.error for q in self.questions
+                                                            if q.status != OK and q.error]) or None
+
+    @property
     def prefill_tok_s(self) -> float:
         return self.n_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 

@@ -12,13 +12,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 import nestedkv
-from pipeline.config import RunConfig
+from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.prompts import build_prompt, encode, question_text
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 
 Progress = Callable[[int, int], None]
-REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
 
 
 @dataclass
@@ -49,10 +48,11 @@ def prefill(model, cache, ids: list[int], step: int, on_progress: Optional[Progr
             on_progress(min(start + step, n), n)
 
 
-def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float) -> mx.array:
+def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float,
+                     context: int = REPETITION_CONTEXT) -> mx.array:
     """mlx-lm's repetition penalty (``make_repetition_penalty``) on every row of ``logits`` [B, vocab] at once,
-    each row with the last ``REPETITION_CONTEXT`` tokens of its own history; the same values, row by row."""
-    recent = [h[-REPETITION_CONTEXT:] for h in histories]
+    each row with the last ``context`` tokens of its own history; the same values, row by row."""
+    recent = [h[-context:] for h in histories]
     if not all(recent):
         raise ValueError("every row needs a history (its question's tokens at least)")
     width = max(map(len, recent))
@@ -77,10 +77,9 @@ class Runner:
         self.max_context = max_context
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
-        penalty = config.repetition_penalty
-        self.penalty = penalty if penalty and penalty != 1.0 else None
+        self.penalty = config.penalty()  # (penalty, context) or None
         self.logits_processors = (
-            make_logits_processors(repetition_penalty=penalty, repetition_context_size=REPETITION_CONTEXT)
+            make_logits_processors(repetition_penalty=self.penalty[0], repetition_context_size=self.penalty[1])
             if self.penalty
             else None
         )
@@ -103,8 +102,9 @@ class Runner:
         ]
         prepared = PreparedDocument(context_ids, questions)
         if self.max_context:
-            longest_q = max(len(q[1]) for q in questions)
-            room = self.max_context - longest_q - cfg.max_new_tokens
+            # Cut for the longest question that fits with its answer at all: one that cannot is too long alone.
+            fitting = [len(q[1]) for q in questions if len(q[1]) + cfg.max_new_tokens < self.max_context]
+            room = self.max_context - max(fitting, default=self.max_context) - cfg.max_new_tokens
             if len(context_ids) > room and cfg.truncate and room > 0:
                 # Keep the head (template + start) and the tail (end of the document) of the context.
                 half = room // 2
@@ -112,20 +112,29 @@ class Runner:
                 prepared.context_ids = context_ids[:half] + context_ids[len(context_ids) - (room - half) :]
         return prepared
 
-    def too_long(self, prepared: PreparedDocument) -> Optional[str]:
-        if not self.max_context:
-            return None
-        longest_q = max(len(q[1]) for q in prepared.questions)
-        need = len(prepared.context_ids) + longest_q + self.config.max_new_tokens
-        if need <= self.max_context:
+    def _over(self, prepared: PreparedDocument, n_question: int) -> Optional[str]:
+        """Why the context, a question of ``n_question`` tokens and its answer exceed the window, or None."""
+        need = len(prepared.context_ids) + n_question + self.config.max_new_tokens
+        if not self.max_context or need <= self.max_context:
             return None
         # With --truncate, the context was already cut: only the question and the answer can be too long.
         hint = ("the question and the answer alone leave no room for the context: shorten the question or lower "
                 "--max-new-tokens" if self.config.truncate else "pass --truncate to cut the middle of the document")
         return (
-            f"context {len(prepared.context_ids)} + question {longest_q} + max_new_tokens "
+            f"context {len(prepared.context_ids)} + question {n_question} + max_new_tokens "
             f"{self.config.max_new_tokens} = {need} tokens exceeds the model window of {self.max_context}; {hint}"
         )
+
+    def too_long(self, prepared: PreparedDocument) -> Optional[str]:
+        """Why the document cannot run at all (no question fits the window with the context), or None."""
+        if len(self.too_long_questions(prepared)) < len(prepared.questions):
+            return None
+        return self._over(prepared, max(len(q[1]) for q in prepared.questions))
+
+    def too_long_questions(self, prepared: PreparedDocument) -> dict[int, str]:
+        """question index -> why that question with the context and its answer exceeds the window."""
+        over = {k: self._over(prepared, len(ids)) for k, (_, ids, _) in enumerate(prepared.questions)}
+        return {k: why for k, why in over.items() if why}
 
     # -- one document -----------------------------------------------------------------------
     def start(self, doc: Document) -> tuple[DocumentResult, Optional[PreparedDocument]]:
@@ -147,6 +156,10 @@ class Runner:
             for q in res.questions:
                 q.status, q.error = TOO_LONG, reason
             return res, None
+        # Only some questions are too long: the others are answered; these are marked on their own rows.
+        for k, why in self.too_long_questions(prepared).items():
+            res.questions[k].status = TOO_LONG
+            res.questions[k].error = f"document {doc.doc_id!r} question {k}: {why}"
         if prepared.truncated_from:
             res.n_tokens_full = prepared.truncated_from
             res.error = f"truncated from {prepared.truncated_from} to {res.n_tokens} context tokens"
@@ -181,6 +194,8 @@ class Runner:
         mx.reset_peak_memory()
         nestedkv.reset_peak(cache)
         for q, (_, ids, _) in zip(res.questions, prepared.questions):
+            if q.status == TOO_LONG:  # never fed: it would run past the model's window
+                continue
             self.answer(cache, ids, q)
             rewind(cache)
         res.peak_decode_bytes = mx.get_peak_memory()
@@ -248,6 +263,8 @@ class Runner:
                     continue
                 q_ids = e.prepared.questions[k][1]
                 q = e.result.questions[k]
+                if q.status == TOO_LONG:  # never fed: it would run past the model's window
+                    continue
                 ref = e.reference
                 targets = ref.targets[k] if ref is not None and ref.logits[k] is not None else []
                 extra = list(targets[:-1])
@@ -297,7 +314,7 @@ class Runner:
         """The greedy next token of each row of ``logits`` [B, vocab] after its history (question and
         generated tokens), penalized as mlx-lm's generate_step does with ``self.logits_processors``."""
         if self.penalty:
-            logits = penalize_repeats(logits, histories, self.penalty)
+            logits = penalize_repeats(logits, histories, *self.penalty)
         nxt = mx.argmax(logits, axis=-1)
         mx.eval(nxt)
         return [int(t) for t in nxt.tolist()]
@@ -360,8 +377,10 @@ def record_decode_peaks(res: DocumentResult, cache) -> None:
 
 
 def close_questions(res: DocumentResult) -> DocumentResult:
-    """A document with a failed question is an error, naming each failed question."""
-    if any(q.status != OK for q in res.questions):
+    """A document with a failed question is an error, naming each failed question. A question too long for
+    the window is not a failure of the document: only its own row says so, the others keep their answers."""
+    failed = [q for q in res.questions if q.status not in (OK, TOO_LONG)]
+    if failed:
         res.status = ERROR
-        res.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in res.questions if q.error)
+        res.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in failed if q.error)
     return res

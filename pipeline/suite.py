@@ -1,6 +1,6 @@
 """The synthetic long-context suite: generate (``pipeline.tasks``), calibrate, run the methods, report.
 
-    python -m pipeline.suite [--size quick|small|standard] [--db suite.duckdb] [--out reports/suite]
+    nkv suite [--size quick|small|standard] [--db suite.duckdb] [--out reports/suite]
 
 1. Generate the documents for the model's tokenizer into ``OUT/suite.parquet`` and record each question's
    task, length, kind and gold parts in the store's ``suite_questions`` table (keyed by doc_id, content
@@ -22,9 +22,7 @@ A re-run resumes: the engine skips (configuration, document) pairs already store
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,7 +39,23 @@ from pipeline.evaluate import DELTA_GOLD_NLL, contains_gold
 from pipeline.tasks import SIZES, TASKS, generate, length_label, token_counter, write
 
 RECALL = "recall"
-METHODS = ("nestedkv", "keydiff", "knorm", "streaming_llm", "random")
+
+
+def methods() -> tuple[str, ...]:
+    """The methods a suite compares by default: the registry's (loaded on first use, not at import)."""
+    from nestedkv.press import compared_methods
+
+    return compared_methods()
+
+
+def _rank(press: str) -> int:
+    """A press's place in the tables: the registry's order."""
+    from nestedkv.press import PRESSES
+
+    order = list(PRESSES)
+    return order.index(press) if press in order else -1
+
+
 HEADLINE_RATIOS = (0.75, 0.9)
 LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
 SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
@@ -59,7 +73,7 @@ class SuiteOptions:
     per_task: Optional[int] = None  # default: the size's
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
-    presses: tuple[str, ...] = METHODS
+    presses: tuple[str, ...] = field(default_factory=methods)
     ratios: tuple[float, ...] = (0.5, 0.75, 0.9)
     head_budgets: tuple[str, ...] = ("uniform", "adaptive")
     prefills: tuple[str, ...] = ("whole",)  # "streaming" prefills each configuration on its own
@@ -290,7 +304,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
                          [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
                           "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2)]))
-        rows.sort(key=lambda r: (r[0][0], METHODS.index(r[0][1]) if r[0][1] in METHODS else -1, *r[0][2:]))
+        rows.sort(key=lambda r: (r[0][0], _rank(r[0][1]), *r[0][2:]))
         lines += [f"### {length_label(length)} ({length} tokens)", ""]
         lines += _table(["configuration", "r", *tasks, "calibrated cells", "delta gold NLL", "resident KV MiB/doc"],
                         [r for _, r in rows])
@@ -561,56 +575,3 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     with Store(opts.db) as store:
         score(store)
         return write_report(store, opts, docs, stage, summaries)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    nestedkv.enable_cpu_fast_path()  # the CPU opt-in, before anything loads mlx
-    d = SuiteOptions()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default=d.size)
-    ap.add_argument("--lengths", type=int, nargs="+", help="target tokens (overrides the size's)")
-    ap.add_argument("--per-task", type=int, help="documents per task and length (overrides the size's)")
-    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(d.tasks))
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--model", default=d.model)
-    ap.add_argument("--db", default=d.db)
-    ap.add_argument("--out", default=d.out, help="folder for the suite, the report and the plot")
-    ap.add_argument("--press", nargs="*", default=list(d.presses), help="methods (none: calibration only)")
-    ap.add_argument("--compression-ratio", type=float, nargs="+", default=list(d.ratios))
-    ap.add_argument("--head-budget", nargs="+", default=list(d.head_budgets), choices=("uniform", "adaptive"))
-    ap.add_argument("--prefill", nargs="+", default=list(d.prefills), choices=("whole", "streaming"))
-    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--threshold", type=float, default=d.threshold, help="calibration: least uncompressed accuracy")
-    ap.add_argument("--all-tasks", action="store_true", help="run the methods on cells that failed calibration too")
-    ap.add_argument("--austen", help="folder with the Austen .txt files")
-    ap.add_argument("--no-ablation", action="store_true", help="skip NestedKV's per-scale variants")
-    ap.add_argument("--summaries", type=int, default=d.summaries, help="plain documents per long length whose "
-                    "compressed summaries are compared with the uncompressed one")
-    ap.add_argument("--long-from", type=int, default=d.long_from, help="documents of at least this many tokens make "
-                    "the headline, the ablation and the summaries")
-    a = ap.parse_args(argv)
-    try:
-        opts = SuiteOptions(model=a.model, db=a.db, out=a.out, size=a.size,
-                            lengths=tuple(a.lengths) if a.lengths else None, per_task=a.per_task,
-                            tasks=tuple(a.tasks), seed=a.seed, presses=tuple(a.press),
-                            ratios=tuple(a.compression_ratio),
-                            head_budgets=tuple(a.head_budget), prefills=tuple(a.prefill),
-                            max_new_tokens=a.max_new_tokens, threshold=a.threshold, all_tasks=a.all_tasks,
-                            austen=a.austen, ablation=not a.no_ablation, summaries=a.summaries,
-                            long_from=a.long_from)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from pipeline.engine import Hooks
-
-    t0 = time.perf_counter()
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    hooks = Hooks(on_document=lambda i, n, doc, _: say(f"[{i}/{n}] {doc.doc_id} ({time.perf_counter() - t0:.0f} s)"))
-    res = run_suite(opts, hooks=hooks, log=say)
-    print(res.markdown_path.read_text(encoding="utf-8"))
-    print(f"wrote {res.markdown_path}" + (f" and {res.plot_path}" if res.plot_path else ""), file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -123,7 +123,7 @@ def test_chunked_prefill_3000_in_512_chunks_keeps_256_rows_per_head(tiny_model, 
         assert c.offset == 3000 and c.stored == 256 and c.keys.shape == (1, 2, 256, 16)
         assert np.array(c.kept).tolist() == [[256, 256]]
         # exactly the rows NestedKV picks from the keys of ALL 3000 positions
-        idx = press.select(k).indices
+        idx = press.select(k, unrope=c.unrope).indices
         assert mx.array_equal(c.keys, mx.take_along_axis(k, idx[..., None], axis=2)).item()
     assert all(s.tokens_seen == 3000 for s in layer_stats(cache))
 

@@ -285,7 +285,8 @@ def test_a_press_parameter_changes_the_hash_and_is_stored(tmp_path, monkeypatch)
         assert again.n_processed == 1  # the changed parameter recomputes
         with Store(db, read_only=True) as s:
             stored = s.query("SELECT config_json FROM runs WHERE run_id = ?", [again.run_ids[0]]).to_pylist()
-        assert '"press_params":{"tau":0.5}' in stored[0]["config_json"]
+        # unrotate on by default is written out, as runs that set it before it was the default wrote it
+        assert '"press_params":{"tau":0.5,"unrotate":true}' in stored[0]["config_json"]
 
 
 def test_batched_decode_applies_the_repetition_penalty_like_one_at_a_time(prefills):
@@ -348,3 +349,25 @@ def test_out_of_memory_in_the_whole_prefill_falls_back_to_streaming_when_allowed
         assert o.result.layers[0].kept_mean == int(o.result.n_tokens * 0.25)
     with pytest.raises(ValueError, match="on_oom"):
         EngineOptions(on_oom="maybe")
+
+
+@pytest.mark.parametrize("options", [EVALUATE, BATCHED], ids=["one-at-a-time", "batched"])
+def test_a_question_too_long_for_the_window_loses_only_itself(options):
+    """Its row says too_long naming the document and question, it has no scores; the other question of the
+    same document is answered and scored under every configuration."""
+    from pipeline.evaluate import evaluation_rows
+    from pipeline.results import TOO_LONG
+
+    d = Document(doc_id="long-q", text=sample_docs(1, 300)[0]["text"],
+                 questions=["Who reads bytes?", "Why " + "and how " * 60 + "?"], answers=["a tiny model", "x"])
+    runner = Runner(tiny_model(), ByteTokenizer(), BASE)
+    prepared = runner.prepare(d)
+    runner.max_context = len(prepared.context_ids) + len(prepared.questions[0][1]) + BASE.max_new_tokens + 20
+    items = compute(runner, d, make_configs(BASE, ["nestedkv"], [0.5]), reference=BASE, options=options)
+    for o in items:
+        first, second = o.result.questions
+        assert o.result.status == OK and first.status == OK and first.output
+        assert second.status == TOO_LONG and "document 'long-q' question 1" in second.error
+        assert o.scores[1] == {} and o.scores[0]
+        rows = evaluation_rows("run", o.result, o.scores, "ref-run")
+        assert rows and {r["question_idx"] for r in rows} == {0}

@@ -235,3 +235,69 @@ def test_cli_errors_are_one_line_before_prefect_starts(tmp_path):
     assert res.exit_code == 2 and "no such file" in res.output
     res = CliRunner().invoke(app, ["sweep", "--compression-ratio", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output
+
+
+@pytest.mark.parametrize("raised", ["write failed", "task failed"])
+def test_a_flow_run_whose_documents_were_not_all_stored_ends_failed(tmp_path, tiny, monkeypatch, raised):
+    """As a served or deployed run ends: the second document's write fails (the disk filled up: a store write
+    error; or anything else, so its task fails and its rows are not stored). The flow run is Failed with the
+    one line, not Completed; the first document stays stored; a re-run does the rest."""
+    from prefect import get_client
+
+    from flows.batch import BatchNotStored
+    from pipeline.store import StoreWriteError
+
+    db = str(tmp_path / "runs.duckdb")
+    inp = batch_file(tmp_path, n=3)
+    real, calls = Store.write_results, [0]
+
+    def write_results(self, items):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise StoreWriteError(f"{db}: write failed: disk full") if raised == "write failed" else ValueError("boom")
+        return real(self, items)
+
+    monkeypatch.setattr(Store, "write_results", write_results)
+    options = FAST.model_copy(update={"retries": 0})
+    state = summarize_batch(input=inp, model=TINY_NAME, db=db, options=options, return_state=True)
+    assert state.is_failed()
+    with get_client(sync_client=True) as client:  # what the Prefect API (a served run's UI) shows
+        assert client.read_flow_run(state.state_details.flow_run_id).state.type.value == "FAILED"
+    got = state.result(raise_on_failure=False)
+    assert isinstance(got, BatchNotStored) and state.message == str(got) == got.summary.problem()
+    words = "write failed: disk full" if raised == "write failed" else "documents doc-1: not stored (ValueError: boom)"
+    assert words in state.message and "1 of 3 documents stored (kept), 2 not stored" in state.message
+    assert "\n" not in state.message
+    assert rows(db, "SELECT DISTINCT doc_id FROM outputs") == [{"doc_id": "doc-0"}]
+    assert [r["status"] for r in rows(db, "SELECT status FROM runs")] == ["failed"]
+
+    monkeypatch.setattr(Store, "write_results", real)
+    again = summarize_batch(input=inp, model=TINY_NAME, db=db, options=options, return_state=True)
+    assert again.is_completed() and (again.result().n_ok, again.result().n_skipped) == (2, 1)
+    assert rows(db, "SELECT doc_id FROM outputs ORDER BY doc_id") == [{"doc_id": f"doc-{i}"} for i in range(3)]
+
+
+def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
+    """--repetition-context-size is declared once (GenerationSettings): the CLI option, the flow's options,
+    the configuration and the runner's penalty follow, and at its default the stored hash is the old one."""
+    from flows.cli.spec import build
+    from flows.params import ONE
+    from pipeline.config import RunConfig
+
+    press = {"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
+             "prefill": "whole", "press_param": None, "kv_bits": None, "kv_group_size": "64"}
+    spec = build(press, {"repetition_context_size": 16}, input="x.parquet")
+    assert spec.config().repetition_context_size == 16 and spec.config().penalty() == (1.1, 16)
+    assert ONE.arguments(spec)["options"].repetition_context_size == 16
+    assert "repetition_context_size" not in RunConfig().canonical_json()  # hashed as before the field existed
+    assert RunConfig(repetition_context_size=16).config_hash() != RunConfig().config_hash()
+
+
+def test_generated_flows_are_importable_where_deployments_look_for_them():
+    """A deployment imports <fn.__module__>.<fn.__name__>: the generated functions must name their own module."""
+    import importlib
+
+    from flows.sharded import sharded_batch
+
+    for f in (summarize_batch, qa_batch, budget_sweep, sharded_batch):
+        assert getattr(importlib.import_module(f.fn.__module__), f.fn.__name__) is f

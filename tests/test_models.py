@@ -455,3 +455,23 @@ def test_builtin_with_a_wrong_hash_or_a_missing_part_names_the_packages(parted, 
     next(iter(files.values())).unlink()
     with pytest.raises(ModelLoadError, match="needs the PyPI packages 'parted-part0', 'parted-part1', 'parted-part2'"):
         load_model("parted-test")
+
+
+@pytest.mark.parametrize("value, why", [("", "it is empty"), ("rel/cache", "a relative path"),
+                                        ("{file}", "is not a folder"), ("{file}/sub", "is not a folder")])
+def test_a_bad_nkv_cache_dir_is_one_line_naming_it(tmp_path, monkeypatch, value, why):
+    """Converting a model (as a served flow run does) with a bad NKV_CACHE_DIR: a ModelLoadError naming the
+    variable and the fix, nothing created; listing the models still works (it writes nothing)."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NKV_CACHE_DIR", value.replace("{file}", str(tmp_path / "afile")))
+    with pytest.raises(ModelLoadError, match=f"NKV_CACHE_DIR=.*{why}.*point NKV_CACHE_DIR at a writable folder"):
+        models.converted_dir(save_tiny_gguf(tmp_path / "m.gguf"))
+    assert models.cache_dir_problem() is not None and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "m.gguf"]
+    assert {r["kind"] for r in models.list_models()} <= {"builtin", "converted"}
+
+
+def test_a_good_nkv_cache_dir_is_not_created_by_the_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("NKV_CACHE_DIR", str(tmp_path / "new" / "cache"))
+    assert models.cache_dir_problem() is None and models.cache_root() == tmp_path / "new" / "cache"
+    assert not (tmp_path / "new").exists()

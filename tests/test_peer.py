@@ -123,11 +123,18 @@ def test_probe_refuses_logits_it_cannot_compare(b):
         compare_logits(_logits(), b)
 
 
-def test_refusal_is_one_line_and_a_nonzero_exit(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench_peer.main(["--peer-python", str(tmp_path / "missing" / "python")])
-    assert exit_.value.code == 3
-    err = capsys.readouterr().err
+def nkv_bench_peer(*args):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    return CliRunner().invoke(app, ["bench", "peer", *args])
+
+
+def test_refusal_is_one_line_and_a_nonzero_exit(tmp_path):
+    res = nkv_bench_peer("--peer-python", str(tmp_path / "missing" / "python"))
+    assert res.exit_code == 3
+    err = res.stderr
     assert err.startswith("bench_peer: no kvpress environment") and err.count("\n") == 1
 
 
@@ -259,11 +266,10 @@ def test_benchmark_refuses_when_the_peer_model_differs(tmp_path, capsys):
                     "np.save(r[\"probe_out\"], np.zeros((len(r[\"probe_ids\"]), 256), np.float32))\n"
                     "json.dump({}, open(sys.argv[3], \"w\"))' \"$@\"\n")
     fake.chmod(0o755)
-    with pytest.raises(SystemExit) as exit_:
-        bench_peer.main(["--model", str(model_dir), "--input", batch, "--docs", "1", "--peer-python", str(fake),
-                         "--export-dir", str(tmp_path / "export"), "--probe-tokens", "32"])
-    assert exit_.value.code == 3
-    err = capsys.readouterr().err
+    res = nkv_bench_peer("--model", str(model_dir), "--input", batch, "--docs", "1", "--peer-python", str(fake),
+                         "--export-dir", str(tmp_path / "export"), "--probe-tokens", "32")
+    assert res.exit_code == 3
+    err = res.stderr
     assert err.count("\n") == 1
     assert err.startswith("bench_peer: refusing to compare: the two models differ")
     assert "argmax differs at" in err and "of 32 positions" in err

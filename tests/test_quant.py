@@ -342,14 +342,16 @@ def test_kv_settings_reach_the_flows_and_deployments():
     from flows.batch import budget_sweep, summarize_batch
     from flows.sharded import sharded_batch
     from flows.cli import press_grid
-    from flows.deploy import batch_parameters, config_settings
+    from flows.deploy import batch_parameters
+    from flows.params import SWEEP
     from pipeline.config import RunConfig
+    from pipeline.spec import BatchSpec
 
-    params = batch_parameters(**config_settings(RunConfig(kv_bits=4, kv_group_size=32), "in.parquet", "x.duckdb"))
+    params = batch_parameters(BatchSpec.of(RunConfig(kv_bits=4, kv_group_size=32), input="in.parquet", db="x.duckdb"))
     assert (params["kv_bits"], params["kv_group_size"]) == (4, 32)
     inspect.signature(summarize_batch.fn).bind(**params)
     inspect.signature(sharded_batch.fn).bind(pool="macs", **params)
     grid = press_grid({"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
                        "prefill": "whole", "press_param": None, "kv_bits": "16,8,4", "kv_group_size": "64"})
     assert grid["kv_bits"] == [None, 8, 4]
-    inspect.signature(budget_sweep.fn).bind(input="x", **grid)
+    inspect.signature(budget_sweep.fn).bind(**SWEEP.arguments(BatchSpec(input="x", **grid)))

@@ -215,6 +215,37 @@ def disk_fills_after(n_writes: int):
     return setup
 
 
+def with_flow_run(setup: Callable):
+    """``setup``, and the id of the Prefect flow run the command starts kept in ``ctx.vars['flow_run']``."""
+    def both(ctx):
+        import pipeline.engine as engine
+        from prefect.context import FlowRunContext
+
+        setup(ctx)
+        real = engine.run_batch
+
+        def run_batch(*a, **kw):
+            ctx.vars["flow_run"] = FlowRunContext.get().flow_run.id
+            return real(*a, **kw)
+
+        ctx.monkeypatch.setattr(engine, "run_batch", run_batch)
+    return both
+
+
+def flow_run_failed(*words: str, stored: set[str]):
+    """The flow run (the same flow a served or deployed run is) ended Failed, as the Prefect API has it, its
+    message the one line naming ``words``; the store holds exactly the ``stored`` documents."""
+    def check(ctx, res):
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(ctx.vars["flow_run"]).state
+        assert state.type.value == "FAILED", state
+        assert "\n" not in state.message and all(w in state.message for w in words), state.message
+        assert stored_doc_ids(ctx) == stored
+    return check
+
+
 def every_write_fails(ctx):
     """A store whose outputs table was altered so that no document's rows fit it any more."""
     a_store(ctx)
@@ -238,6 +269,22 @@ def _context_holds_all_of(doc_id: str, text: str, ctx) -> None:
     (the byte tokenizer) plus the template, more than the text alone."""
     (n,) = [r["n_tokens"] for r in rows(ctx.db, f"SELECT n_tokens FROM outputs WHERE doc_id = '{doc_id}'")]
     assert n > len(text.encode()), n
+
+
+LONG_QUESTION = "Why " + "and how " * 520 + "?"  # with any context and answer, past the tiny model's 4096
+
+
+def only_the_long_question_lost(ctx, res) -> None:
+    """The other question of the document was answered and stored ok; the long one is marked on its own row."""
+    got = rows(ctx.db, "SELECT question_idx, status, error FROM outputs WHERE doc_id = 'doc-q' ORDER BY question_idx")
+    assert [(r["question_idx"], r["status"]) for r in got] == [(0, "ok"), (1, "too_long")], got
+    assert got[0]["error"] is None
+    assert got[1]["error"].startswith("document 'doc-q' question 1: context ") and \
+        "exceeds the model window of 4096" in got[1]["error"], got[1]["error"]
+    assert rows(ctx.db, "SELECT n_errors FROM runs") == [{"n_errors": 1}]
+
+
+CACHE_FIX = "point NKV_CACHE_DIR at a writable folder (an absolute path) or unset it"
 
 
 def closed_port() -> int:
@@ -514,6 +561,20 @@ CASES = [
                              ctx.monkeypatch.setenv("HOME", ctx.vars["ro"]))),
     error("env-prefect-api-url-closed-port", RUN, "PREFECT_API_URL=http://127.0.0.1:", "not answering",
           "unset PREFECT_API_URL", setup=lambda ctx: ctx.api_url(f"http://127.0.0.1:{closed_port()}/api")),
+    error("env-nkv-cache-dir-unwritable", RUN, "NKV_CACHE_DIR={ro}/models", "cannot write", CACHE_FIX,
+          setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("NKV_CACHE_DIR", ctx.vars["ro"] + "/models"))),
+    error("env-nkv-cache-dir-a-file", RUN, "NKV_CACHE_DIR={file}", "is not a folder", CACHE_FIX,
+          setup=lambda ctx: (write_file("afile", b"x", as_input=False)(ctx), ctx.snapshot(ctx.vars["file"]),
+                             ctx.monkeypatch.setenv("NKV_CACHE_DIR", ctx.vars["file"]))),
+    error("env-nkv-cache-dir-relative", RUN, "NKV_CACHE_DIR=models/cache", "a relative path", CACHE_FIX,
+          setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models/cache"),
+          check=lambda ctx, res: not Path("models/cache").exists()),
+    error("env-nkv-cache-dir-empty", RUN, "NKV_CACHE_DIR=:", "it is empty", CACHE_FIX,
+          setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "")),
+    error("env-eval-nkv-cache-dir-relative", ["eval", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "NKV_CACHE_DIR=models", CACHE_FIX, setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models")),
+    error("env-serve-nkv-cache-dir-relative", ["serve", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
+          "NKV_CACHE_DIR=models", CACHE_FIX, setup=lambda ctx: ctx.monkeypatch.setenv("NKV_CACHE_DIR", "models")),
     error("env-sweep-tmpdir-unwritable", ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}"],
           "TMPDIR=", setup=lambda ctx: (ctx.read_only_folder(), ctx.monkeypatch.setenv("TMPDIR", ctx.vars["ro"]))),
 
@@ -557,8 +618,13 @@ CASES = [
     not_done("disk-full-mid-batch", RUN, "write failed", "File too large", "1 of 3 documents stored (kept), 2 not",
              setup=disk_fills_after(1), runs=("failed",), done=("doc-0",),
              check=lambda ctx, res: stored_doc_ids(ctx) == {"doc-0"}),
-    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=every_write_fails,
-             runs=("completed", "failed"), done=(), check=lambda ctx, res: stored_doc_ids(ctx) == set()),
+    # The flow run itself (what `nkv serve` and a deployment run) ends Failed with the same line, not Completed.
+    not_done("flow-run-failed-on-disk-full-mid-batch", RUN, "1 of 3 documents stored (kept), 2 not",
+             setup=with_flow_run(disk_fills_after(1)), runs=("failed",), done=("doc-0",),
+             check=flow_run_failed("write failed", "File too large", "1 of 3 documents stored (kept), 2 not stored",
+                                   stored={"doc-0"})),
+    not_done("every-write-fails", RUN, "write failed", "0 of 2 documents stored", setup=with_flow_run(every_write_fails),
+             runs=("completed", "failed"), done=(), check=flow_run_failed("0 of 2 documents stored", stored=set())),
     error("db-in-memory", run_with("--db", ":memory:"), ":memory:", "would lose every result"),
     ok("db-with-tilde", run_with("--db", "~/stores/x.duckdb"), setup=home_in_tmp,
        check=lambda ctx, res: not (ctx.tmp / "~").exists()),
@@ -650,6 +716,9 @@ CASES = [
     ok("escape-sequence-in-good-doc_id", RUN, "3 done", setup=batch({"doc_id": "\x1b[2Jclear", "text": "fine"}),
        done=GOOD + ("\x1b[2Jclear",)),
 
+    not_done("qa-one-question-too-long", run_with("--task", "qa"), "1 of 3 results did not end ok",
+             setup=batch({"doc_id": "doc-q", "text": "A short document.", "questions": ["Who?", LONG_QUESTION]}),
+             check=only_the_long_question_lost),
     ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
        done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
     not_done("too-long-with-truncate", run_with("--truncate", "--max-new-tokens", "5000"), "did not end ok",
@@ -874,7 +943,7 @@ def check_store(case: Case, ctx: Ctx) -> None:
 
 
 def test_matrix_covers_the_issue():
-    assert len(CASES) + SIGNAL_ROWS >= 177
+    assert len(CASES) + SIGNAL_ROWS >= 185
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------

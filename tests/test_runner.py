@@ -161,3 +161,40 @@ def test_a_document_quoting_the_split_marker_stays_in_the_context():
     parts = build_prompt(ByteTokenizer(), text, "Summarize.")
     assert text in parts.context and parts.question.strip().startswith("Summarize.")
     assert "second half" not in parts.question
+
+
+def one_long_question(runner, extra: int = 40):
+    """A document whose question 1 alone, with the context and the answer, exceeds a window that question 0
+    fits in; the runner's window set so (question 1 is ``extra`` tokens longer than the room left)."""
+    d = doc(questions=["Who jumps?", "Where " + "and why " * 40 + "?"], answers=["fox", "river"])
+    runner.max_context = None
+    prepared = runner.prepare(d)
+    n_ctx, (q0, q1) = len(prepared.context_ids), [len(ids) for _, ids, _ in prepared.questions]
+    assert q1 > q0 + extra
+    runner.max_context = n_ctx + q0 + runner.config.max_new_tokens + extra
+    return d
+
+
+def test_one_question_too_long_marks_only_that_question():
+    runner = make_runner()
+    res = runner.run(one_long_question(runner))
+    assert res.status == OK and res.error is None and not res.all_ok
+    first, second = res.questions
+    assert first.status == OK and first.error is None and first.n_generated > 0
+    assert second.status == TOO_LONG and second.n_generated == 0 and second.output == ""
+    assert second.error.startswith("document 'd1' question 1: context ")
+    assert f"exceeds the model window of {runner.max_context}" in second.error
+    assert res.problems == second.error
+    assert res.layers  # the document ran: prefilled, compressed, answered
+
+
+def test_one_question_too_long_with_truncate_cuts_for_the_others():
+    """--truncate cuts the context for the questions that can fit at all; one whose answer leaves no room
+    for any context stays too long, alone."""
+    runner = make_runner(truncate=True, max_new_tokens=6)
+    d = doc(questions=["Who jumps?", "Where " + "and why " * 40 + "?"])
+    runner.max_context = 200  # question 1 (+ 6 answer tokens) alone is longer than the window
+    res = runner.run(d)
+    assert res.status == OK and "truncated" in res.error
+    assert res.questions[0].status == OK and res.n_tokens + res.questions[0].n_question_tokens + 6 <= 200
+    assert res.questions[1].status == TOO_LONG and "shorten the question" in res.questions[1].error

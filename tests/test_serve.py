@@ -90,8 +90,23 @@ def test_serve_without_a_server_says_how_to_start_one(tmp_path, api_url):
     assert "prefect server start" in lines[0] and HINT in lines[0]
 
 
+def store_refusing_writes(path) -> str:
+    """A store whose outputs table no longer takes a document's rows: every document write fails."""
+    import duckdb
+
+    from pipeline.store import Store
+
+    Store(path).close()
+    con = duckdb.connect(str(path))
+    con.execute("ALTER TABLE outputs ALTER COLUMN doc_id SET DATA TYPE INTEGER")
+    con.close()
+    return str(path)
+
+
 @pytest.mark.server
 def test_served_deployment_runs_with_a_new_ratio(tmp_path):
+    """A served deployment, triggered with a new ratio, completes; triggered with a store whose writes fail,
+    its flow run ends Failed with the one line (documents not stored), never Completed."""
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = clean_env(tmp_path, api)
@@ -111,19 +126,25 @@ def test_served_deployment_runs_with_a_new_ratio(tmp_path):
         wait_for("the deployment", lambda: get(f"{api}/deployments/name/summarize-batch/nightly"), 90,
                  [server, serve], [server_log, serve_log])
 
-        res = subprocess.run(PREFECT + ["deployment", "run", "summarize-batch/nightly", "--param",
-                                        "compression_ratio=0.5"], env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stdout + res.stderr
-        flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", res.stdout).group(1)
+        def trigger(param: str) -> str:
+            res = subprocess.run(PREFECT + ["deployment", "run", "summarize-batch/nightly", "--param", param],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stdout + res.stderr
+            return re.search(r"UUID:\s*([0-9a-f-]{36})", res.stdout).group(1)
 
-        def finished():
-            r = get(f"{api}/flow_runs/{flow_run_id}")
-            state = r and r.json()["state"]["type"]
-            return state if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+        def final(flow_run_id: str) -> dict:
+            def finished():
+                r = get(f"{api}/flow_runs/{flow_run_id}")
+                state = r and r.json()["state"]
+                return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+            return wait_for("the flow run", finished, 150, [server, serve], [server_log, serve_log])
 
-        assert wait_for("the flow run", finished, 150, [server, serve], [server_log, serve_log]) == "COMPLETED", \
-            serve_log.read_text()[-3000:]
+        state = final(trigger("compression_ratio=0.5"))
+        assert state["type"] == "COMPLETED", serve_log.read_text()[-3000:]
+        broken = store_refusing_writes(tmp_path / "broken.duckdb")
+        state = final(trigger(f"db={broken}"))
+        assert state["type"] == "FAILED", serve_log.read_text()[-3000:]
+        assert "write failed" in state["message"] and "0 of 2 documents stored" in state["message"], state
     finally:
         stop(serve)
         stop(server)

@@ -1,0 +1,392 @@
+"""``NestedKVCache``: one layer of a drop-in mlx-lm KV cache that compresses its context: once after the last
+prefill chunk (``prefill="whole"``), or also while the context arrives (``prefill="streaming"``, bounded peak).
+
+``offset`` is the true number of positions seen (RoPE reads it); ``stored`` is the row count of the longest
+head, ``n_ctx_rows`` its context rows. The rows live in a layout (``layouts.py``): dense, padded, or per head.
+
+Streaming (see ``streaming.py``): before a chunk is appended, a layer whose stored rows exceed the budget is
+scored and evicted down to it, so it never holds more than budget + chunk rows per head (per layer on average
+under adaptive budgets) and the chunk attends to the kept rows only. ``compress`` then brings it to exactly
+the final budget.
+
+Quantized KV (``press.kv_bits``): once compression has chosen the rows (scored on the real keys), every buffer
+becomes a ``(packed, scales, biases)`` triple of ``mx.quantize`` with the same row layout, rows appended later
+are quantized as they arrive, and the cache carries ``bits``/``group_size`` so that mlx-lm's attention (and
+``attention.attention``) use ``quantized_scaled_dot_product_attention``, as for its ``QuantizedKVCache``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+from mlx_lm.models.cache import KVCache, create_attention_mask
+
+import nestedkv.attention as _attention
+from nestedkv import buffers as buf
+from nestedkv.accounting import LayerMemory
+from nestedkv.activations import install_swiglu_hook
+from nestedkv.attention import install_attention_hook
+from nestedkv.buffers import check_divides
+from nestedkv.layouts import Dense, PerHead, pad_valid
+from nestedkv.press import BasePress, NoPress
+from nestedkv.rope import from_description as rope_from_description
+from nestedkv.streaming import StreamState
+
+
+def check_context_len(n) -> Optional[int]:
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"context_len must be a positive int (the document's token count), got {n!r}")
+    return n
+
+
+def _layout_field(name: str, writable: bool = False):
+    """The layout's buffers, read (and for dense ones written) where callers have always found them."""
+    get = lambda self: getattr(self.layout, name, None)  # noqa: E731
+    return property(get, (lambda self, v: setattr(self.layout, name, v)) if writable else None)
+
+
+class NestedKVCache(KVCache):
+    step = KVCache.step
+    rope_spec: Optional[dict] = None  # the model's rope (nestedkv.rope.describe), for unrotated scoring
+
+    keys, values, valid = (_layout_field(n, writable=True) for n in ("keys", "values", "valid"))
+    flat_keys, flat_values, head_rows, head_cap = map(_layout_field, ("flat_keys", "flat_values", "head_rows",
+                                                                      "head_cap"))
+
+    @property
+    def unrope(self):
+        return None if self.rope_spec is None else rope_from_description(self.rope_spec)
+
+    def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None):
+        if press is not None and not isinstance(press, BasePress):
+            raise TypeError(f"press must be a nestedkv press (e.g. NestedKVPress), got {type(press).__name__}")
+        self.layout = Dense()
+        self.offset = 0
+        self.press = press or NoPress()
+        self.planned_len = check_context_len(context_len)  # the document's token count, for streaming
+        self.stored = 0
+        self.context_len: Optional[int] = None  # positions compressed; None until compressed
+        self.n_ctx_rows = 0
+        self.kept: Optional[mx.array] = None  # [B, H] kept context rows per head
+        self.stream: Optional[StreamState] = None
+        self.peak_nbytes = 0
+        self._saw_prefill = False
+
+    @property
+    def compressed(self) -> bool:
+        return self.context_len is not None
+
+    # -- mlx-lm cache protocol -------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        if self.layout.padded_heads:
+            _attention.check_caller_routed()  # mlx-lm's attention would attend the padding
+        n_new = keys.shape[2]
+        if not self.compressed:
+            if n_new == 1 and self._saw_prefill:
+                # Inside mlx_lm.generate: the first single-token step follows the chunked prefill.
+                self.compress()
+            elif n_new > 1:
+                self._saw_prefill = True
+        if not self.compressed and self.press.prefill == "streaming":
+            self._stream_step(keys)
+        if self.quantized:  # after the compress above: new rows join the kept ones quantized
+            keys, values = self._quantize(keys), self._quantize(values)
+        self.layout.append(keys, values, self.stored, self.n_ctx_rows, self.step)
+        self.stored += n_new
+        self.offset += n_new
+        self._note_peak()
+        return self.keys_and_values()
+
+    @property
+    def head_keys(self) -> Optional[list]:
+        """Per-head layout: each head's rows ``[1, 1, rows_h + appended, D]``."""
+        return self.keys_and_values()[0] if self.layout.ragged_heads else None
+
+    @property
+    def head_values(self) -> Optional[list]:
+        return self.keys_and_values()[1] if self.layout.ragged_heads else None
+
+    def keys_and_values(self):
+        return self.layout.fetch(self.stored, self.n_ctx_rows)
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        model = _attention.calling_model()  # a loaded cache never went through make_cache
+        if model is not None:
+            route(model, required=False)
+        # Keys are the stored rows: "causal" aligns to their end, arrays are built over them.
+        return create_attention_mask(N, offset=self.stored, return_array=return_array, window_size=window_size)
+
+    def size(self):
+        return self.stored
+
+    def empty(self):
+        return self.layout.empty
+
+    def trim(self, n):
+        """Drop up to ``n`` of the newest rows. Evicted or compressed context rows are never cut: only rows
+        appended after them go (one compressed document, many questions)."""
+        floor = self.n_ctx_rows if self.kept is not None else 0
+        n = max(0, min(self.stored - floor, n))
+        if self.stream is not None and n:
+            raise ValueError("trim during a streaming prefill is not supported: compress first")
+        self.stored -= n
+        self.offset -= n
+        return n
+
+    def rewind(self) -> int:
+        """Trim back to the compressed context; returns the rows dropped."""
+        return self.trim(self.stored)
+
+    @property
+    def appended(self) -> int:
+        return self.stored - self.n_ctx_rows if self.compressed else 0
+
+    @property
+    def quantized(self) -> bool:
+        # ``bits`` exists only once quantized: mlx-lm's attention dispatches on hasattr(cache, "bits").
+        return "bits" in vars(self)
+
+    def _quantize(self, x: mx.array) -> tuple:
+        check_divides(self.group_size, x.shape[-1])
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _quantize_rows(self) -> None:
+        """Quantize the rows compression kept, once (they were scored before, on the real keys)."""
+        self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+        self.layout.quantize(self._quantize, self.stored)
+        mx.eval(self.layout.buffers())  # so the unquantized buffers are freed
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        raise ValueError(
+            "NestedKVCache is not converted by mlx-lm's kv_bits: give the press kv_bits instead "
+            "(e.g. NestedKVPress(compression_ratio=0.75, kv_bits=4)); it quantizes the rows it keeps"
+        )
+
+    @classmethod
+    def merge(cls, caches):
+        raise ValueError(
+            "NestedKVCache cannot be merged into mlx-lm's batch cache (BatchKVCache): that would drop each "
+            "document's compression. Supported batching: nestedkv.stack(caches) batches compressed caches for "
+            "decode (several configurations or documents at once)"
+        )
+
+    @property
+    def nbytes(self):
+        return self.layout.nbytes
+
+    # Peak resident K/V bytes, noted after every update, compression and load (the transient second buffer
+    # of a reallocation or an eviction lives for one operation and is not counted).
+    def _note_peak(self) -> None:
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window: the peak becomes what is resident now."""
+        self.peak_nbytes = self.nbytes
+
+    @property
+    def state(self):
+        k, v, hk, hv = self.layout.saved(self.stored, self.n_ctx_rows)
+        return (
+            k,
+            v,
+            self.kept,
+            self.valid,
+            self.offset,
+            self.stored,
+            -1 if self.context_len is None else self.context_len,
+            self.n_ctx_rows,
+            int(self._saw_prefill),
+            self.press.to_json(),
+            hk,
+            hv,
+            -1 if self.planned_len is None else self.planned_len,
+            None if self.stream is None else self.stream.to_state(),
+            "" if self.rope_spec is None else json.dumps(self.rope_spec),
+        )
+
+    @state.setter
+    def state(self, v):
+        v = list(v)
+        v += [None, None, -1, None, ""][len(v) - 10 :]  # files saved before per-head and streaming state: 10 fields
+        keys, values, self.kept, valid, offset, stored, context_len, n_ctx_rows, saw, press_json = v[:10]
+        hk, hv, planned, stream, rope_json = v[10:]
+        self.rope_spec = json.loads(rope_json) if rope_json else None
+        self.offset, self.stored, self.n_ctx_rows = int(offset), int(stored), int(n_ctx_rows)
+        self.context_len = None if int(context_len) < 0 else int(context_len)
+        self._saw_prefill = bool(saw)
+        self.press = BasePress.from_json(press_json)
+        vars(self).pop("bits", None)
+        if self.compressed and self.press.kv_bits is not None:
+            # save_prompt_cache stores tuples as lists; lists of arrays mean per-head rows to the attention
+            self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+            keys, values = buf.as_tuple(keys), buf.as_tuple(values)
+            hk, hv = (None, None) if hk is None else ([tuple(h) for h in hk], [tuple(h) for h in hv])
+        self.planned_len = None if planned is None or int(planned) < 0 else int(planned)
+        if hk is not None:
+            self.layout = PerHead.from_heads(list(hk), list(hv), [int(x) for x in self.kept[0].tolist()])
+        else:
+            self.layout = Dense(keys, values, valid)
+        self.stream = None if stream is None else StreamState.from_state(self.press, stream)
+        self.peak_nbytes = self.nbytes
+
+    # -- compression -----------------------------------------------------------------------
+    def _keep(self) -> Optional[int]:
+        """Rows per head a streaming press keeps (None: nothing to evict). Ratios apply to the planned length;
+        without one only an absolute budget can stream (checked in ``_stream_step``)."""
+        n = self.planned_len if self.planned_len is not None else sys.maxsize
+        return self.press.n_keep(n)
+
+    def _stream_step(self, keys) -> None:
+        """Before appending a chunk: fold it into the running statistics, then evict the stored rows down to
+        the budget when they exceed it, so this chunk attends to kept rows only (<= budget + chunk rows)."""
+        if self.planned_len is None and self.press.budget is None and self.press.compression_ratio > 0:
+            raise ValueError(
+                f"streaming prefill with compression_ratio={self.press.compression_ratio} needs the document's "
+                "token count: make_cache(model, press, context_len=N)"
+            )
+        if self.planned_len is not None and self.offset + keys.shape[2] > self.planned_len:
+            raise ValueError(
+                f"streaming prefill: context_len={self.planned_len} was planned but "
+                f"{self.offset + keys.shape[2]} positions were fed"
+            )
+        keep = self._keep()
+        if keep is None:
+            return  # nothing will ever be evicted: plain appends, bit-identical to KVCache
+        if self.stream is None:
+            if self.stored:
+                raise ValueError("a streaming press must see the context from its first chunk (clone it earlier)")
+            self.stream = StreamState(self.press, self.planned_len)
+        new = self.stream.observe(keys, self.unrope)
+        if self._rows_kept() > keep * keys.shape[1]:
+            self._evict(keep)
+        self.stream.append(new)
+        mx.eval(self.stream.arrays())
+
+    def _rows_kept(self) -> int:
+        """Real (head, row) pairs stored, over all heads of batch entry 0."""
+        if self.stored == 0:
+            return 0
+        if self.kept is None:
+            return self.stored * self.layout.batch_heads[1]
+        return int(mx.sum(self.kept[0]).item()) + (self.stored - self.n_ctx_rows) * self.kept.shape[1]
+
+    def _rows(self):
+        """The stored rows as dense ``(keys, values, valid)`` ``[B, H, stored, D]`` in any layout; ``valid``
+        (None when no head is padded) covers every row. Per-head rows are padded transiently (one layer)."""
+        k, v, valid = self.padded()
+        return k, v, pad_valid(valid, buf.parts(k)[0].shape[2])
+
+    def _select_stored(self, keep: int):
+        keys, values, valid = self._rows()
+        sel = self.press.select_scores(self.stream.scores(keys, valid, self.unrope), keep)
+        return keys, values, sel
+
+    def _evict(self, keep: int) -> None:
+        """Keep ``keep`` rows per head (``H * keep`` per layer, adaptive) of the stored rows, by streaming scores."""
+        keys, values, sel = self._select_stored(keep)
+        self._gather(keys, values, sel)
+        self.stream.take(sel.indices)
+        self._unpad()  # ragged heads hold their rows unpadded between evictions too
+
+    def _gather(self, keys, values, sel) -> None:
+        idx = sel.indices[..., None]
+        self.layout = Dense(mx.take_along_axis(keys, idx, axis=2), mx.take_along_axis(values, idx, axis=2),
+                            sel.valid)
+        self.stored = self.n_ctx_rows = sel.indices.shape[2]
+        self.kept = sel.counts
+
+    def _unpad(self) -> None:
+        """Padded rows of a single entry (B = 1) -> the per-head layout: each KV head keeps its real rows."""
+        if isinstance(self.layout, Dense) and self.layout.valid is not None and self.layout.batch_heads[0] == 1:
+            self.layout = self.layout.per_head()
+            self.n_ctx_rows = self.stored = max(self.layout.head_rows)
+
+    def compress(self) -> None:
+        """Score the context and keep the press's budget (streaming: the rows still stored, scored with the
+        running statistics). A second call is a no-op."""
+        if self.compressed:
+            return
+        if self.empty() or self.stored == 0:
+            raise ValueError("compress() called on an empty cache: prefill the context first")
+        n = self.stored
+        streamed = self.stream is not None and self.stream.evicted
+        self.context_len = self.offset
+        sel = None
+        if not streamed:
+            # Nothing evicted yet: every key of the context is here, score it whole (exact).
+            keys, values = self.keys[..., :n, :], self.values[..., :n, :]
+            sel = self.press.select(keys, unrope=self.unrope)
+        else:
+            keep = self._keep()
+            if keep is not None and self._rows_kept() > keep * self.kept.shape[1]:
+                keys, values, sel = self._select_stored(keep)
+        self.stream = None
+        if sel is not None:
+            self._gather(keys, values, sel)
+        else:  # nothing (more) to evict: the rows after the kept ones join the context
+            if self.kept is None:
+                self.kept = mx.full(self.layout.batch_heads, n, dtype=mx.int32)
+            else:
+                tail = n - self.n_ctx_rows
+                self.kept = self.kept + tail
+                self.layout.extend_context(tail, n)
+            self.n_ctx_rows = n
+        self._unpad()
+        if self.press.kv_bits is not None:
+            self._quantize_rows()
+        self._note_peak()
+
+    def padded(self):
+        """This layer's rows as ``(keys, values, valid)``: ``[B, H, n_ctx_rows + appended, D]`` with context rows
+        padded per head and ``valid`` ``[B, H, n_ctx_rows]`` (None when no head is padded)."""
+        return self.layout.padded(self.stored, self.n_ctx_rows, self.kept)
+
+    def memory(self, layer: int) -> LayerMemory:
+        """Accounting for this layer in its real dtype (see LayerMemory)."""
+        if self.empty():
+            return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
+        k0, v0 = self.layout.buffers()
+        B, H = self.layout.batch_heads
+        (dk, dtype), (dv, _) = self._dims(k0), self._dims(v0)
+        # full: the model's dtype uncompressed; kept: rows as stored (quantized: packed values + scales + biases)
+        full_row = (dk + dv) * dtype.size
+        row_bytes = sum(x.shape[3] * x.dtype.size for x in buf.parts(k0) + buf.parts(v0))
+        tail = self.stored - self.n_ctx_rows if self.kept is not None else 0
+        kept = self.kept if self.kept is not None else mx.full((B, H), self.stored, dtype=mx.int32)
+        seen = self.context_len + tail if self.compressed else self.offset
+        return LayerMemory(
+            layer=layer,
+            n_kv_heads=H,
+            head_dim=dk,
+            dtype=str(dtype).removeprefix("mlx.core."),
+            tokens_seen=self.context_len if self.compressed else self.offset,
+            kept_min=int(mx.min(kept).item()),
+            kept_max=int(mx.max(kept).item()),
+            kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),
+            bytes_full=B * H * seen * full_row,
+            bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
+            bytes_resident=self.nbytes,
+        )
+
+    def _dims(self, b):
+        """(head dim, model dtype) of a K or V buffer."""
+        if isinstance(b, tuple):  # packed uint32 words of 32 / bits values, scales in the model's dtype
+            return b[0].shape[3] * 32 // self.bits, b[1].dtype
+        return b.shape[3], b.dtype
+
+
+# load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
+mlx_cache.NestedKVCache = NestedKVCache
+
+
+def route(model, required: bool) -> None:
+    # Adaptive budgets need the attention hook; elsewhere it only serves the CPU fast path, so a model without
+    # it runs as is.
+    install_attention_hook(model, required=required)
+    install_swiglu_hook(model)

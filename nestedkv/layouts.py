@@ -1,0 +1,187 @@
+"""How one layer holds its rows, per KV head ``[ kept context rows | appended rows | free ]``: two classes
+behind one interface, chosen by the cache (``cache.py``).
+
+- ``Dense``: ``keys``/``values`` ``[B, H, rows, D]``, every head the same row count (uniform budgets, no press).
+  With ``valid`` ``[B, H, n_ctx_rows]`` it is the padded layout: shorter heads are padded and
+  ``attention.head_mask`` hides the padding (``stack``'s batches, adaptive budgets with B > 1).
+- ``PerHead``: adaptive budgets (B = 1) keep each head's rows without padding in one flat buffer
+  ``flat_keys``/``flat_values`` ``[1, 1, sum of region sizes, D]``, one region per KV head
+  ``[its kept rows | appended rows | free]``: resident bytes follow kept bytes, and one scatter appends a token
+  to every head. ``attention.attention`` runs each KV head against its view ``[1, 1, rows_h, D]``.
+
+``stored`` (the longest head's rows) and ``n_ctx`` (its context rows) belong to the cache, which passes them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from nestedkv import buffers as buf
+
+
+def pad_valid(valid: Optional[mx.array], rows: int) -> Optional[mx.array]:
+    """``valid`` extended with real rows up to ``rows`` (the appended rows are never padded)."""
+    if valid is None or valid.shape[2] >= rows:
+        return valid
+    B, H, R = valid.shape
+    return mx.concatenate([valid, mx.ones((B, H, rows - R), dtype=mx.bool_)], axis=2)
+
+
+class Dense:
+    ragged_heads = False  # per-head views instead of one array per buffer
+
+    def __init__(self, keys=None, values=None, valid: Optional[mx.array] = None):
+        self.keys, self.values, self.valid = keys, values, valid
+
+    @property
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def padded_heads(self) -> bool:
+        """Rows that attention must not see (mlx-lm's attention would attend them)."""
+        return self.valid is not None
+
+    @property
+    def batch_heads(self) -> tuple[int, int]:
+        return tuple(buf.parts(self.keys)[0].shape[:2])
+
+    def fetch(self, stored: int, n_ctx: int):
+        if stored < buf.parts(self.keys)[0].shape[2]:
+            return buf.rows_of(self.keys, 0, stored), buf.rows_of(self.values, 0, stored)
+        return self.keys, self.values
+
+    def append(self, keys, values, stored: int, n_ctx: int, step: int):
+        self.keys = buf.grow(self.keys, stored, keys, step)
+        self.values = buf.grow(self.values, stored, values, step)
+        rows = (Ellipsis, slice(stored, stored + buf.parts(keys)[0].shape[2]), slice(None))
+        buf.put(self.keys, rows, keys)
+        buf.put(self.values, rows, values)
+
+    def padded(self, stored: int, n_ctx: int, kept):
+        k, v = self.fetch(stored, n_ctx)
+        return k, v, self.valid
+
+    def extend_context(self, tail: int, stored: int) -> None:
+        """The ``tail`` appended rows join the context rows."""
+        self.valid = pad_valid(self.valid, stored)
+
+    def per_head(self) -> "PerHead":
+        """Padded (B = 1) -> per-head, right after a selection: each KV head keeps exactly its real rows."""
+        valid = np.array(self.valid[0])  # [H, R]
+        B, H, R = self.valid.shape
+        idx = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))  # real rows, head-major
+        flat_k = mx.take(self.keys[..., :R, :].reshape(B, 1, H * R, -1), idx, axis=2)
+        flat_v = mx.take(self.values[..., :R, :].reshape(B, 1, H * R, -1), idx, axis=2)
+        mx.eval(flat_k, flat_v)  # so the padded buffers can be freed
+        counts = [int(x) for x in valid.sum(axis=1)]
+        return PerHead(flat_k, flat_v, counts, list(counts))
+
+    def quantize(self, q, stored: int) -> None:
+        self.keys, self.values = q(self.keys[..., :stored, :]), q(self.values[..., :stored, :])
+
+    def buffers(self) -> tuple:
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return buf.nbytes(self.keys) + buf.nbytes(self.values)
+
+    def copy(self, stored: int) -> "Dense":
+        # New array objects: slice assignment rebinds the Python object in place, so sharing the objects
+        # themselves would let the copy write into the original.
+        if self.empty:
+            return Dense(valid=self.valid)
+        return Dense(buf.rows_of(self.keys, 0, stored), buf.rows_of(self.values, 0, stored), self.valid)
+
+    def saved(self, stored: int, n_ctx: int) -> tuple:
+        """(keys, values, head_keys, head_values) as the cache's state holds them."""
+        k, v = (None, None) if self.empty else self.fetch(stored, n_ctx)
+        return k, v, None, None
+
+
+class PerHead:
+    ragged_heads = True
+    padded_heads = True  # mlx-lm's attention cannot take per-head views
+    valid = None
+    empty = False
+
+    def __init__(self, flat_keys, flat_values, head_rows: list[int], head_cap: list[int]):
+        self.flat_keys, self.flat_values = flat_keys, flat_values
+        self.head_rows = head_rows  # kept context rows per head (lists are replaced, never changed in place)
+        self.head_cap = head_cap  # rows of each head's region
+
+    @classmethod
+    def from_heads(cls, keys: list, values: list, rows: list[int]) -> "PerHead":
+        """From each head's rows (context then appended), regions exactly that long."""
+        return cls(buf.cat(keys), buf.cat(values), rows, [buf.parts(k)[0].shape[2] for k in keys])
+
+    @property
+    def batch_heads(self) -> tuple[int, int]:
+        return buf.parts(self.flat_keys)[0].shape[0], len(self.head_rows)
+
+    def views(self, flat, tail: int) -> list:
+        """Each head's rows ``[1, 1, rows_h + tail, D]`` (views of its region)."""
+        out, off = [], 0
+        for r, cap in zip(self.head_rows, self.head_cap):
+            out.append(buf.rows_of(flat, off, off + r + tail))
+            off += cap
+        return out
+
+    def fetch(self, stored: int, n_ctx: int):
+        tail = stored - n_ctx
+        return self.views(self.flat_keys, tail), self.views(self.flat_values, tail)
+
+    def append(self, keys, values, stored: int, n_ctx: int, step: int):
+        tail = stored - n_ctx
+        B, H, n, _ = buf.parts(keys)[0].shape
+        if any(r + tail + n > cap for r, cap in zip(self.head_rows, self.head_cap)):
+            # Every region grows by whole steps, as KVCache does (heads share the appended count).
+            extra = ((n + step - 1) // step) * step
+            ks, vs = self.fetch(stored, n_ctx)
+            zk, zv = buf.zeros(keys, B, 1, extra), buf.zeros(values, B, 1, extra)
+            self.flat_keys = buf.cat([x for k in ks for x in (k, zk)])
+            self.flat_values = buf.cat([x for v in vs for x in (v, zv)])
+            self.head_cap = [buf.parts(k)[0].shape[2] + extra for k in ks]
+        idx, off = [], 0
+        for r, cap in zip(self.head_rows, self.head_cap):
+            idx.extend(range(off + r + tail, off + r + tail + n))
+            off += cap
+        idx = mx.array(idx, dtype=mx.int32)  # head-major, like the reshape below
+        at = (slice(None), slice(None), idx, slice(None))
+        buf.put(self.flat_keys, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), keys))
+        buf.put(self.flat_values, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), values))
+
+    def padded(self, stored: int, n_ctx: int, kept):
+        """Rows ``[B, H, n_ctx + appended, D]``, context rows padded per head, and ``valid`` [B, H, n_ctx]."""
+        tail, R = stored - n_ctx, n_ctx
+        ks, vs = [], []
+        for k, v, r in zip(*self.fetch(stored, n_ctx), self.head_rows):
+            ks.append(buf.cat([buf.rows_of(k, 0, r), buf.zeros(k, 1, 1, R - r), buf.rows_of(k, r, r + tail)]))
+            vs.append(buf.cat([buf.rows_of(v, 0, r), buf.zeros(v, 1, 1, R - r), buf.rows_of(v, r, r + tail)]))
+        valid = mx.arange(R)[None, None, :] < kept[..., None]
+        return buf.cat(ks, axis=1), buf.cat(vs, axis=1), valid
+
+    def extend_context(self, tail: int, stored: int) -> None:
+        self.head_rows = [r + tail for r in self.head_rows]
+
+    def quantize(self, q, stored: int) -> None:
+        self.flat_keys, self.flat_values = q(self.flat_keys), q(self.flat_values)
+
+    def buffers(self) -> tuple:
+        return self.flat_keys, self.flat_values
+
+    @property
+    def nbytes(self) -> int:
+        return buf.nbytes(self.flat_keys) + buf.nbytes(self.flat_values)
+
+    def copy(self, stored: int) -> "PerHead":
+        return PerHead(buf.rows_of(self.flat_keys, 0), buf.rows_of(self.flat_values, 0), self.head_rows,
+                       self.head_cap)
+
+    def saved(self, stored: int, n_ctx: int) -> tuple:
+        hk, hv = self.fetch(stored, n_ctx)
+        return None, None, hk, hv

@@ -1,0 +1,182 @@
+"""The press contract: a key scorer bundled with its budget settings (names follow kvpress), and the registry
+every press joins by subclassing ``BasePress`` with a ``name``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, Optional
+
+import mlx.core as mx
+
+from nestedkv import rope, scoring
+from nestedkv.selection import (
+    N_SINK,
+    SAFEGUARD,
+    Selection,
+    check_budget,
+    check_head_budget,
+    check_ratio,
+    n_keep,
+    select,
+)
+from nestedkv.streaming import StreamScorer
+
+PREFILL_MODES = ("whole", "streaming")
+KV_BITS = (4, 8)  # quantized KV (mx.quantize, affine): the widths mlx-lm users pass as --kv-bits
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts; 64 is mlx-lm's default
+INT32_MAX = 2**31 - 1  # lengths and positions are int32 in the cache's arrays
+SEED_MAX = 2**64 - 1  # mx.random.key takes a uint64
+
+# name -> press class, filled by BasePress.__init_subclass__ and ordered by rank once the presses are loaded.
+PRESSES: dict[str, type["BasePress"]] = {}
+
+
+@dataclass(frozen=True)
+class BasePress:
+    """``compression_ratio`` is the fraction of context entries REMOVED (kvpress and the paper);
+    ``budget`` is an absolute per-head token budget and wins over the ratio when given.
+
+    A press is a ``name``, its own fields (validated in ``__post_init__``), ``score(keys) -> [B, H, N]``
+    and, when streaming needs more than the stored keys, a ``stream_scorer``."""
+
+    name: ClassVar[str] = ""
+    rank: ClassVar[int] = 100  # position in method lists and report rows
+    compared: ClassVar[bool] = False  # one of the default methods of `nkv eval` and the suite
+    stream_scorer: ClassVar[type] = StreamScorer  # its state during a streaming prefill (see streaming.py)
+
+    compression_ratio: float = 0.0
+    budget: Optional[int] = None
+    head_budget: str = "uniform"
+    n_sink: int = N_SINK
+    safeguard: float = SAFEGUARD
+    # "whole": compress once after the last prefill chunk. "streaming": also evict down to the budget during
+    # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see cache.py).
+    prefill: str = "whole"
+    # Score the keys with the model's rotary embedding undone (each key rotated back by its position);
+    # the cache keeps the rotated keys. Needs the cache built by make_cache (or clone) with the model.
+    # Off here; the presses whose scores follow the keys' direction (NestedKV, KeyDiff) turn it on.
+    unrotate: bool = False
+    # Quantize the kept rows (and rows appended later) to kv_bits, in groups of kv_group_size along the head
+    # dimension, once compression is done; None: keep the model's dtype. Scoring always sees the real keys.
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if not name:
+            return  # an abstract or helper subclass
+        old = PRESSES.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"press name {name!r} is taken by {old.__module__}.{old.__qualname__}")
+        PRESSES[name] = cls
+
+    def __post_init__(self):
+        check_ratio(self.compression_ratio)
+        check_budget(self.budget)
+        check_head_budget(self.head_budget)
+        if not _int_in(self.n_sink, 0, INT32_MAX):
+            raise ValueError(f"n_sink must be an int in 0..{INT32_MAX}, got {self.n_sink!r}")
+        if not (_number(self.safeguard) and 0.0 <= self.safeguard <= 1.0):
+            raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
+        if not isinstance(self.unrotate, bool):
+            raise ValueError(f"unrotate must be true or false, got {self.unrotate!r}")
+        check_kv_bits(self.kv_bits, self.kv_group_size)
+
+    def score(self, keys: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def n_keep(self, n: int) -> Optional[int]:
+        return n_keep(n, self.compression_ratio, self.budget, self.n_sink)
+
+    def select(self, keys: mx.array, unrope=None) -> Optional[Selection]:
+        """Rows to keep for cached keys ``[B, H, N, D]`` at positions 0..N-1; None when nothing needs
+        evicting. ``unrope``: the model's inverse rope (``nestedkv.rope``), used when ``unrotate``."""
+        scoring.check_keys(keys)
+        keep = self.n_keep(keys.shape[2])
+        if keep is None:
+            return None
+        if self.unrotate:
+            keys = rope.required(unrope, self.name)(keys, 0)
+        return self.select_scores(self.score(keys), keep)
+
+    def select_scores(self, scores: mx.array, keep: int) -> Selection:
+        """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition)."""
+        return select(scores, keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
+
+    @classmethod
+    def parse_params(cls, params: dict) -> dict:
+        """Field values from JSON values (a stored press, ``--press-param``): JSON has no tuples, so a list
+        given for a tuple field becomes one. A press with other encoded fields overrides this."""
+        tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}
+        return {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in params.items()}
+
+    def to_json(self) -> str:
+        params = asdict(self)
+        # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
+        if not self.unrotate:
+            del params["unrotate"]
+        if self.kv_bits is None:
+            del params["kv_bits"], params["kv_group_size"]
+        return json.dumps({"press": self.name, **params}, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "BasePress":
+        params = json.loads(text)
+        name = params.pop("press")
+        params.setdefault("unrotate", False)  # stored before the parameter existed: post-RoPE scoring
+        return get_press(name, **params)
+
+
+def get_press(name: str, **params) -> BasePress:
+    """Build a press by its kvpress name; parameters the press does not take are rejected."""
+    if name not in PRESSES:
+        raise ValueError(f"unknown press {name!r}; allowed: {', '.join(PRESSES)}")
+    cls = PRESSES[name]
+    allowed = {f.name for f in fields(cls)}
+    unknown = set(params) - allowed
+    if unknown:
+        raise TypeError(f"press {name!r} does not take {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return cls(**cls.parse_params(params))
+
+
+def compared_methods() -> tuple[str, ...]:
+    """The methods `nkv eval` and the suite compare by default, in report order."""
+    return tuple(n for n, cls in PRESSES.items() if cls.compared)
+
+
+def check_kv_bits(kv_bits, kv_group_size) -> None:
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None: no quantization), "
+                         f"got {kv_bits!r}")
+    if kv_group_size not in KV_GROUP_SIZES or isinstance(kv_group_size, bool):
+        raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+
+
+@dataclass(frozen=True)
+class NoPress(BasePress):
+    """The uncompressed reference: never evicts anything."""
+
+    name: ClassVar[str] = "no_press"
+    rank: ClassVar[int] = 1000  # the reference lists after the methods
+
+    def n_keep(self, n: int) -> Optional[int]:
+        return None
+
+
+def _number(v) -> bool:
+    """A finite int or float (NaN and infinities would reach the stored configuration and the scores)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_in(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def check(ok: bool, name: str, want: str, got, press: str = "nestedkv") -> None:
+    if not ok:
+        raise ValueError(f"{press} parameter {name} must be {want}, got {got!r}")
