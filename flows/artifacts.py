@@ -68,10 +68,7 @@ class ProgressReport:
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:
-    rows = store.query(
-        f"SELECT {', '.join(LAYER_COLUMNS)} FROM layer_savings WHERE run_id = ? ORDER BY layer", [run_id]
-    ).to_pylist()
-    return [{k: _plain(v) for k, v in r.items()} for r in rows]
+    return [{k: _plain(v) for k, v in r.items()} for r in store.layer_savings(run_id, LAYER_COLUMNS)]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -13,8 +13,8 @@ from typing import Optional
 
 from flows.batch import FLOWS
 from flows.params import ONE
-from pipeline import lake
 from pipeline.spec import BatchSpec
+from pipeline.store import lake
 
 LOCAL_API = "http://127.0.0.1:4200/api"
 

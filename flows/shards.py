@@ -29,11 +29,10 @@ from uuid import UUID
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import lake
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, load_documents
 from pipeline.spec import BatchSpec
-from pipeline.store import Store, process_is_the_run
+from pipeline.store import Store, lake, process_is_the_run
 
 DEPLOYMENT = "shards"  # <flow>/shards: the deployment the shards are submitted to
 MAX_ATTEMPTS = 20  # attempts per shard over all re-submissions (each a new idempotency key)
@@ -128,7 +127,7 @@ def shard_folder(db: str, data_path: Optional[str]) -> Path:
     require_lake(db)
     if data_path is None:
         with Store(db) as store:  # creates nothing new: the lake must know its data path
-            data_path = lake.data_path_of(store.con)
+            data_path = store.data_path()
     if not data_path or "://" in data_path:
         raise ShardError(f"shard files need a shared folder every worker reads; the lake's data path is "
                          f"{data_path!r}: give --data-path on a shared volume")
@@ -164,9 +163,7 @@ def record_input_errors(db: str, config: RunConfig, input: str, errors: list[Row
     if not errors:
         return None
     with Store(db) as store:
-        (seen,) = store.query("SELECT count(*) FROM input_errors e JOIN runs r USING (run_id) WHERE r.config_hash "
-                              "= $h AND r.input = $i", {"h": config.config_hash(), "i": str(input)}).column(0).to_pylist()
-        if seen >= len(errors):
+        if store.input_error_count(config, input) >= len(errors):
             return None
         run_id = store.start_run(config, str(input))
         store.write_input_errors(run_id, errors)
@@ -211,8 +208,7 @@ def stale(client, flow_run, store: Optional[Store], shard: Shard, stale_after_s:
         # Only runs this flow run started: an earlier attempt's dead run may still read 'running'. Another
         # writer on this host may already have marked ours 'interrupted' (its process was gone).
         since = (flow_run.start_time - timedelta(seconds=5)).astimezone(timezone.utc).replace(tzinfo=None)
-        rows = store.query("SELECT status, host, pid, pid_started_at FROM runs WHERE input = $i "
-                           "AND created_at >= $since", {"i": str(shard.path), "since": since}).to_pylist()
+        rows = store.runs_of_input(shard.path, since)
         if any(r["status"] == "interrupted" for r in rows):
             return "its run was marked interrupted (its process is gone)"
         here = [r for r in rows if r["status"] == "running" and r["host"] == socket.gethostname()]
@@ -323,24 +319,8 @@ def fan_out(spec: BatchSpec, pool: str, *, shards: Optional[int] = None,
 
 def merge_summary(store: Store, config: RunConfig, shard_list: list[Shard], out: FanOut) -> None:
     """The batch's totals, read from the store: every run any attempt of any shard wrote."""
-    inputs = [str(s.path) for s in shard_list]
-    rows = store.query("SELECT run_id FROM runs WHERE config_hash = $h AND list_contains($inputs, input) "
-                       "ORDER BY created_at", {"h": config.config_hash(), "inputs": inputs}).to_pylist()
-    out.run_ids = [r["run_id"] for r in rows]
-    keys = [f"{d.doc_id}\0{d.content_sha256}" for s in shard_list for d in s.docs]
-    # A document is done when some run (any attempt, any earlier batch) answered it all ok.
-    stats = store.query(
-        """
-        SELECT count(*) AS n, count(*) FILTER (WHERE ok) AS ok FROM (
-            SELECT doc_id, content_sha256, bool_or(run_ok) AS ok FROM (
-                SELECT o.doc_id, o.content_sha256, bool_and(o.status = 'ok') AS run_ok
-                FROM outputs o JOIN runs r ON r.run_id = o.run_id
-                WHERE r.config_hash = $h AND list_contains($keys, o.doc_id || chr(0) || o.content_sha256)
-                GROUP BY o.run_id, o.doc_id, o.content_sha256)
-            GROUP BY doc_id, content_sha256)
-        """, {"h": config.config_hash(), "keys": keys}).to_pylist()[0]
-    out.n_documents, out.n_ok = len(keys), stats["ok"] or 0
-    out.n_failed = (stats["n"] or 0) - out.n_ok
-    if out.run_ids:
-        out.savings = store.query("SELECT * FROM memory_savings WHERE list_contains($ids, run_id)",
-                                  {"ids": out.run_ids}).to_pylist()
+    out.run_ids = store.run_ids(config, [str(s.path) for s in shard_list])
+    docs = [(d.doc_id, d.content_sha256) for s in shard_list for d in s.docs]
+    answered, out.n_ok = store.document_outcomes(config, docs)
+    out.n_documents, out.n_failed = len(docs), answered - out.n_ok
+    out.savings = store.memory_savings(out.run_ids)

@@ -98,9 +98,7 @@ def ablate(
                 log(f"{o.result.doc_id} {o.config.label()}: {o.result.error}")
         with Store(store_path, read_only=True) as store:
             hashes = {c.config_hash(): key for c, key in configs.items()}
-            got = store.query(
-                "SELECT r.config_hash, e.doc_id, e.question_idx, e.metric, e.value FROM evaluations e "
-                "JOIN runs r USING (run_id)").to_pylist()
+            got = store.evaluations_by_config()
     per_q: dict[tuple, dict] = {}
     for g in got:
         name, r = hashes[g["config_hash"]]

@@ -20,13 +20,9 @@ from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
 from pipeline.store import Store
 
-ANSWERS = ("SELECT o.doc_id, o.question_idx, o.output FROM outputs o JOIN runs r USING (run_id) "
-           "WHERE r.compression_ratio = ? ORDER BY ALL")
-
-
 def _answers(db: Path, ratio: float) -> list[dict]:
     with Store(db, read_only=True) as s:
-        return s.query(ANSWERS, [ratio]).to_pylist()
+        return s.answers_at_ratio(ratio)
 
 
 def measure(input: str, task: str, model: str, batch_size: int, max_new_tokens: int, ratio: float,

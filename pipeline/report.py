@@ -16,7 +16,6 @@ from typing import Optional, Union
 
 import pyarrow as pa
 
-from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
 from pipeline.store import Store, StoreError
 
 
@@ -30,45 +29,6 @@ def press_order() -> tuple[str, ...]:
 MARKDOWN_NAME = "report.md"
 PLOT_NAME = "quality_vs_ratio.png"
 MARKERS = ("o", "o", "s", "^", "D", "v", "P", "X")
-
-# Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
-QUALITY_SQL = f"""
-WITH ev AS (
-    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv_bits}} AS kv_bits,
-           e.doc_id, e.question_idx, e.metric, e.value
-    FROM evaluations e JOIN runs r ON r.run_id = e.run_id
-    QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
-                               ORDER BY r.created_at DESC, r.run_id DESC) = 1
-)
-SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
-       any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget, any_value(kv_bits) AS kv_bits,
-       count(DISTINCT doc_id) AS n_docs,
-       count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
-       avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
-       avg(value) FILTER (WHERE metric = '{AGREE_EXACT}') AS agree_exact,
-       avg(value) FILTER (WHERE metric = '{ROUGE_L}') AS rouge_l,
-       avg(value) FILTER (WHERE metric = '{DELTA_NLL}') AS delta_nll,
-       avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement,
-       avg(value) FILTER (WHERE metric = '{GOLD_NLL}') AS gold_nll,
-       avg(value) FILTER (WHERE metric = '{DELTA_GOLD_NLL}') AS delta_gold_nll
-FROM ev GROUP BY config_hash
-"""
-
-# Context KV bytes kept, latest run per (configuration, document), over the configurations evaluated.
-KEPT_SQL = """
-WITH docs AS (
-    SELECT r.config_hash, m.doc_id, m.content_sha256, m.run_id,
-           sum(m.bytes_kept) AS kept_bytes, sum(m.bytes_full) AS full_bytes, sum(m.bytes_resident) AS resident_bytes
-    FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
-    WHERE r.run_id IN (SELECT DISTINCT run_id FROM evaluations)
-    GROUP BY r.config_hash, m.doc_id, m.content_sha256, m.run_id, r.created_at
-    QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id, m.content_sha256
-                               ORDER BY r.created_at DESC, m.run_id DESC) = 1
-)
-SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share,
-       sum(resident_bytes) / nullif(sum(full_bytes), 0) AS resident_share
-FROM docs GROUP BY config_hash
-"""
 
 COLUMNS = [  # (key, header, format)
     ("press", "method", "{}"),
@@ -107,12 +67,10 @@ def _order(row: dict) -> tuple:
 
 def quality_rows(store: Store) -> list[dict]:
     """One numeric row per evaluated configuration, ordered: reference, nestedkv, baselines; ratio up."""
-    # Stores written before quantized KV have no runs.kv_bits (a read-only open does not migrate them).
-    kv = "r.kv_bits" if "kv_bits" in store.query("SELECT * FROM runs LIMIT 0").column_names else "NULL"
-    rows = store.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
+    rows = store.quality_by_config()
     if not rows:
         raise StoreError(f"{store.path}: no evaluations stored; run `nkv eval --db {store.path}` first")
-    kept = {r["config_hash"]: r for r in store.query(KEPT_SQL).to_pylist()}
+    kept = {r["config_hash"]: r for r in store.kept_by_config()}
     full_acc = {r["model"]: r["accuracy"] for r in rows if r["press"] == "no_press" and not r.get("kv_bits")}
     for r in rows:
         r["kept_share"] = kept.get(r["config_hash"], {}).get("kept_share")

@@ -63,10 +63,6 @@ METHODS_FILE, ABLATION_FILE, SUMMARY_FILE = "methods.parquet", "methods_ablation
 MARKDOWN_NAME, PLOT_NAME, PREFILLS_DIR = "suite_report.md", "frontier.png", "prefills"
 COLOURS = {"nestedkv": "C3", "keydiff": "C0", "knorm": "C2", "streaming_llm": "C1", "random": "C7"}
 
-QUESTIONS_DDL = """CREATE TABLE IF NOT EXISTS suite_questions (doc_id VARCHAR, content_sha256 VARCHAR,
-    question_idx INTEGER, task VARCHAR, length INTEGER, n_tokens INTEGER, kind VARCHAR, parts VARCHAR[])"""
-
-
 @dataclass
 class SuiteOptions:
     model: str = DEFAULT_MODEL
@@ -179,14 +175,11 @@ def question_rows(docs: Sequence[dict]) -> list[dict]:
 
 
 def register(store, docs: Sequence[dict], folder: Path) -> None:
-    """Put the documents' questions into ``suite_questions`` (replacing the same documents' rows)."""
-    path = (folder / QUESTIONS_FILE).resolve()
-    pq.write_table(pa.Table.from_pylist(question_rows(docs)), path)
-    src = "read_parquet('" + str(path).replace("'", "''") + "')"
-    store.query(QUESTIONS_DDL)
-    store.query(f"DELETE FROM suite_questions WHERE content_sha256 IN (SELECT content_sha256 FROM {src})")
-    store.query(f"INSERT INTO suite_questions SELECT doc_id, content_sha256, question_idx, task, length, n_tokens, "
-                f"kind, parts FROM {src}")
+    """Put the documents' questions into ``suite_questions`` (replacing the same documents' rows), and beside
+    the suite as Parquet."""
+    rows = question_rows(docs)
+    pq.write_table(pa.Table.from_pylist(rows), (folder / QUESTIONS_FILE).resolve())
+    store.write_suite_questions(rows)
 
 
 def recall(answer: Optional[str], parts: Sequence[str]) -> float:
@@ -196,14 +189,7 @@ def recall(answer: Optional[str], parts: Sequence[str]) -> float:
 
 def score(store) -> int:
     """Write a ``recall`` evaluation row for every ok suite answer that has none yet; returns how many."""
-    rows = store.query("""
-        SELECT o.run_id, o.doc_id, o.question_idx, o.output, s.parts
-        FROM outputs o JOIN suite_questions s ON s.doc_id = o.doc_id AND s.content_sha256 = o.content_sha256
-            AND s.question_idx = o.question_idx
-        WHERE o.status = 'ok' AND NOT EXISTS (
-            SELECT 1 FROM evaluations e WHERE e.run_id = o.run_id AND e.doc_id = o.doc_id
-                AND e.question_idx = o.question_idx AND e.metric = 'recall')
-    """).to_pylist()
+    rows = store.unscored_suite_answers()
     if rows:
         store.write_evaluations([{"run_id": r["run_id"], "doc_id": r["doc_id"], "question_idx": r["question_idx"],
                                   "metric": RECALL, "value": recall(r["output"], r["parts"]),
@@ -212,30 +198,6 @@ def score(store) -> int:
 
 
 # -- reading results back --------------------------------------------------------------------------------------
-# The latest run's value of one metric per (configuration, document, question), with the question's task and length.
-SCORES_SQL = """
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, s.task, s.length, s.kind,
-       e.doc_id, e.question_idx, e.value
-FROM evaluations e JOIN runs r ON r.run_id = e.run_id
-JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
-JOIN suite_questions s ON s.doc_id = o.doc_id AND s.content_sha256 = o.content_sha256
-    AND s.question_idx = o.question_idx
-WHERE e.metric = $metric AND r.config_hash IN (SELECT unnest($hashes))
-    AND o.content_sha256 IN (SELECT unnest($docs))
-QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx
-                           ORDER BY r.created_at DESC, r.run_id DESC) = 1
-"""
-
-# Resident and full KV bytes per (configuration, document), latest run.
-BYTES_SQL = """
-SELECT r.config_hash, m.doc_id, sum(m.bytes_resident) AS resident, sum(m.bytes_full) AS full
-FROM layer_memory m JOIN runs r ON r.run_id = m.run_id
-WHERE r.config_hash IN (SELECT unnest($hashes)) AND m.content_sha256 IN (SELECT unnest($docs))
-GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
-QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
-"""
-
-
 def label(row: dict) -> str:
     if row["press"] == "no_press":
         return "no_press"
@@ -378,23 +340,11 @@ def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict
         _table(["variant", "r", *(length_label(n) for n in lengths), "all", "against nestedkv"], rows) + [""]
 
 
-# Agreement of each summary with the uncompressed one, latest run per (configuration, document).
-SUMMARY_SQL = """
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, e.doc_id, e.metric, e.value
-FROM evaluations e JOIN runs r ON r.run_id = e.run_id
-JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
-WHERE e.metric IN ('rouge_l', 'delta_nll') AND r.config_hash IN (SELECT unnest($hashes))
-    AND o.content_sha256 IN (SELECT unnest($docs))
-QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.metric ORDER BY r.created_at DESC, r.run_id DESC) = 1
-"""
-
-
 def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
     """Per long length and configuration: the compressed summary's ROUGE-L against the uncompressed one and
     the teacher-forced delta-NLL of the uncompressed summary (0 = unchanged; higher = worse)."""
     configs = opts.configs(opts.summary_base())
-    rows = store.query(SUMMARY_SQL, {"hashes": [c.config_hash() for c in configs],
-                                     "docs": [sha256_hex(d["text"]) for d in docs]}).to_pylist()
+    rows = store.summary_agreement([c.config_hash() for c in configs], [sha256_hex(d["text"]) for d in docs])
     if not rows:
         return []
     length = {d["doc_id"]: d["length"] for d in docs}
@@ -417,7 +367,7 @@ def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
 
 def resident_mib(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict) -> dict:
     """(length, config hash) -> mean resident KV MiB per document."""
-    rows = store.query(BYTES_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
+    rows = store.kv_bytes_by_document(hashes, docs)
     acc = defaultdict(list)
     for r in rows:
         if r["doc_id"] in doc_length:
@@ -489,8 +439,8 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     configurations."""
     hashes = [opts.base().reference().config_hash()] + [c.config_hash() for c in opts.configs()]
     doc_hashes = [sha256_hex(d["text"]) for d in docs]
-    scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": doc_hashes, "metric": RECALL}).to_pylist()
-    nll = store.query(SCORES_SQL, {"hashes": hashes, "docs": doc_hashes, "metric": DELTA_GOLD_NLL}).to_pylist()
+    scores = store.suite_scores(hashes, doc_hashes, RECALL)
+    nll = store.suite_scores(hashes, doc_hashes, DELTA_GOLD_NLL)
     calib = calibration(scores, opts.threshold)
     heads, cells = headline(scores, calib, long_from=opts.long_from)
     mib = resident_mib(store, hashes, doc_hashes, {d["doc_id"]: d["length"] for d in docs})
@@ -547,10 +497,9 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     ablation = opts.ablation_configs()
     if ablation:
         abl = {c.config_hash() for c in ablation}
-        abl_scores = store.query(SCORES_SQL, {"hashes": list(abl), "docs": doc_hashes, "metric": RECALL}).to_pylist()
+        abl_scores = store.suite_scores(abl, doc_hashes, RECALL)
         lines += ablation_table(abl_scores, calib, ablation, opts.long_from)
-        abl_nll = store.query(SCORES_SQL, {"hashes": list(abl), "docs": doc_hashes,
-                                           "metric": DELTA_GOLD_NLL}).to_pylist()
+        abl_nll = store.suite_scores(abl, doc_hashes, DELTA_GOLD_NLL)
         lines += ablation_table(abl_nll, calib, ablation, opts.long_from, metric="delta gold NLL")
     if summary_docs:
         lines += summary_table(store, opts, summary_docs)
@@ -595,8 +544,7 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     with Store(opts.db) as store:
         score(store)
         hashes = [opts.base().reference().config_hash()]
-        scores = store.query(SCORES_SQL, {"hashes": hashes, "docs": [sha256_hex(d["text"]) for d in docs],
-                                          "metric": RECALL}).to_pylist()
+        scores = store.suite_scores(hashes, [sha256_hex(d["text"]) for d in docs], RECALL)
     calib = calibration(scores, opts.threshold)
     stage["calibrate"] = time.perf_counter() - t0
     for c in calib:

@@ -13,9 +13,8 @@ import duckdb
 import pytest
 
 import test_store
-from pipeline import lake
 from pipeline.config import RunConfig
-from pipeline.store import Store, StoreError
+from pipeline.store import Store, StoreError, lake
 from test_store import count, doc
 
 

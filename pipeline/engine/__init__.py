@@ -27,7 +27,7 @@ from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document, RowError
 from pipeline.engine.document import (NO_HOOKS, Hooks, Outcome, Work, compute, error_result, finish,  # noqa: F401
                                       is_out_of_memory, prefill_full, process_document, process_documents)
-from pipeline.engine.plan import Plan, close_plan, done_documents, open_plan, stored_reference_runs  # noqa: F401
+from pipeline.engine.plan import Plan, close_plan, done_documents, open_plan  # noqa: F401
 from pipeline.results import ERROR, OK
 from pipeline.spec import BatchSpec, check_configs, make_configs
 from pipeline.store import StoreError, StoreWriteError
@@ -89,14 +89,6 @@ SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budge
                    "kept_share", "saved_share", "resident_share", "saved_mib")
 
 
-def savings(store, run_ids: Sequence[str]) -> list[dict]:
-    if not run_ids:
-        return []
-    return store.query(
-        f"SELECT {', '.join(SAVINGS_COLUMNS)} FROM memory_savings WHERE run_id IN (SELECT unnest(?)) "
-        "ORDER BY press, compression_ratio, head_budget, budget, prefill, kv_bits", [list(run_ids)]).to_pylist()
-
-
 def make_runner(config: RunConfig):
     """Load the configured model (cached per process) and wrap it for this configuration."""
     from pipeline.models import load_model, model_info
@@ -153,7 +145,7 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
             # the store that failed a write may refuse this one too: the next writer marks the runs interrupted
             log.warning("could not close the runs as %s (%s)", status, exc)
     if summary.write_error is None:
-        summary.savings = savings(store, summary.run_ids)
+        summary.savings = store.memory_savings(summary.run_ids, SAVINGS_COLUMNS)
     summary.wall_s = time.perf_counter() - t0
     return summary
 

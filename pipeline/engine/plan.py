@@ -52,34 +52,9 @@ def done_documents(store, config: RunConfig, evaluate: bool) -> set[tuple[str, s
     done = store.done_documents(config)
     if not evaluate or not done:
         return done
-    rows = store.query(
-        """
-        SELECT o.doc_id, o.content_sha256, bool_or(e.run_id IS NOT NULL) AS scored, bool_and(o.gold IS NULL) AS no_gold
-        FROM outputs o JOIN runs r ON r.run_id = o.run_id
-        LEFT JOIN evaluations e ON e.run_id = o.run_id AND e.doc_id = o.doc_id
-        WHERE r.config_hash = $h AND o.status = 'ok'
-        GROUP BY o.run_id, o.content_sha256, o.doc_id
-        """,
-        {"h": config.config_hash()},
-    ).to_pylist()
+    rows = store.evaluated_documents(config)
     ok = {(r["doc_id"], r["content_sha256"]) for r in rows if r["scored"] or (config.is_reference and r["no_gold"])}
     return done & ok
-
-
-def stored_reference_runs(store, reference: RunConfig) -> dict[str, str]:
-    """content sha256 -> the latest run holding ok no_press answers for it under ``reference``."""
-    rows = store.query(
-        """
-        SELECT content_sha256, arg_max(run_id, created_at) AS run_id FROM (
-            SELECT o.content_sha256, o.run_id, any_value(r.created_at) AS created_at
-            FROM outputs o JOIN runs r ON r.run_id = o.run_id
-            WHERE r.config_hash = $h
-            GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = 'ok')
-        ) GROUP BY content_sha256
-        """,
-        {"h": reference.config_hash()},
-    ).to_pylist()
-    return {r["content_sha256"]: r["run_id"] for r in rows}
 
 
 def open_plan(store, input: str, configs: Sequence[RunConfig], options: EngineOptions = EngineOptions()) -> Plan:
@@ -90,7 +65,7 @@ def open_plan(store, input: str, configs: Sequence[RunConfig], options: EngineOp
     docs, errors = load_documents(input)
     probe = Plan(str(input), configs, options, docs, errors, {}, {})
     done = {c.config_hash(): done_documents(store, c, options.evaluate) for c in probe.configs}
-    refs = stored_reference_runs(store, probe.reference) if probe.reference else {}
+    refs = store.latest_ok_runs(probe.reference) if probe.reference else {}
     plan = Plan(str(input), configs, options, docs, errors, done, refs)
     for cfg in plan.configs:
         # An input whose every row is bad still gets its runs: that is where its bad rows are recorded.

@@ -19,6 +19,8 @@ from typing import Optional
 
 import duckdb
 
+from pipeline.store.errors import one_line
+
 PREFIX = "ducklake:"
 ALIAS = "lake"  # the lake's name inside the connection (``USE lake``)
 # Catalog kind -> the DuckDB extension that reads it (a DuckDB-file catalog needs none).
@@ -100,18 +102,14 @@ def load_extension(con: duckdb.DuckDBPyConnection, name: str) -> str:
             con.execute(f"LOAD '{path}'")
             return str(path)
         except duckdb.Error as e:
-            why = f"loading {path} failed ({_first_line(e)})"
+            why = f"loading {path} failed ({one_line(e)})"
     try:  # installed before, or online: DuckDB's own repository
         con.execute(f"INSTALL {name}")
         con.execute(f"LOAD {name}")
         return "duckdb install"
     except duckdb.Error as e:
         raise LakeSetupError(f"DuckLake needs the DuckDB extension {name!r}: {why}, and DuckDB could not "
-                             f"install it ({_first_line(e)}); {INSTALL_HINT}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+                             f"install it ({one_line(e)}); {INSTALL_HINT}") from None
 
 
 def _quote(s: str) -> str:
@@ -126,7 +124,8 @@ def connect(spec: LakeSpec, read_only: bool, data_path: Optional[str] = None,
     attach with ``sandbox`` (the settings a file store opens with), less what DuckDB needs to read the
     lake: its data path stays readable (``allowed_directories``: without it, Parquet files committed after
     the attach are refused), and so does the catalog (an attached database's own file, or the Postgres
-    connection). The catalog extension's table functions are refused per query: ``CATALOG_FUNCTIONS``.
+    connection). The catalog extension's table functions are refused per query
+    (``sandbox.CATALOG_FUNCTIONS``).
     """
     # Autoload off: every extension is loaded explicitly (from the wheel), never fetched behind our back.
     con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
@@ -140,7 +139,7 @@ def connect(spec: LakeSpec, read_only: bool, data_path: Optional[str] = None,
         try:
             retry_locked(lambda: con.execute(f"ATTACH {_quote(str(spec))} AS {ALIAS}{opts}"))
         except duckdb.Error as e:
-            raise LakeSetupError(f"{spec}: cannot open the lake ({_first_line(e)})") from None
+            raise LakeSetupError(f"{spec}: cannot open the lake ({one_line(e)})") from None
         con.execute(f"USE {ALIAS}")
         if read_only:
             data = data_path_of(con)
@@ -176,32 +175,6 @@ def data_path_of(con: duckdb.DuckDBPyConnection) -> Optional[str]:
     rows = con.execute(f"SELECT value FROM ducklake_options({_quote(ALIAS)}) WHERE option_name = 'data_path'"
                        ).fetchall()
     return rows[0][0] if rows else None
-
-
-# postgres_scan/postgres_query/sqlite_scan reach any database the reader's network and credentials
-# allow, and DuckDB's sandbox does not stop them (no setting disables a loaded extension's functions).
-CATALOG_FUNCTIONS = ("postgres_", "sqlite_")
-
-
-def refused_functions(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
-    """The catalog extensions' functions that one SELECT calls anywhere (by DuckDB's own parse tree)."""
-    import json
-
-    tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
-    if tree.get("error"):
-        return ["(a query DuckDB cannot serialize)"]
-
-    def names(node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "function_name" and isinstance(value, str):
-                    yield value
-                yield from names(value)
-        elif isinstance(node, list):
-            for value in node:
-                yield from names(value)
-
-    return sorted({n for n in names(tree) if n.lower().startswith(CATALOG_FUNCTIONS)})
 
 
 def is_locked(e: BaseException) -> bool:

@@ -1,0 +1,102 @@
+"""Rows for the tables: runs, results, evaluations and bad input rows as Arrow tables of the tables' own
+column types, so a value a column cannot hold fails here, in one line naming the column, before any write."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping, Union
+
+import pyarrow as pa
+
+from pipeline.config import RunConfig, code_version
+from pipeline.results import OK, DocumentResult
+from pipeline.store.errors import StoreError, one_line
+from pipeline.store.processes import process_started_at
+from pipeline.store.schema import arrow_schema, columns
+
+
+def arrow(name: str, rows: list[dict]) -> pa.Table:
+    try:
+        return pa.Table.from_pylist(rows, schema=arrow_schema(name))
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+        # Name the column (e.g. an INTEGER column given a value past 2**31 - 1) instead of Arrow's traceback.
+        for c, t in columns(name):
+            try:
+                pa.array([r.get(c) for r in rows], type=t[1])
+            except (pa.ArrowException, OverflowError, TypeError, ValueError) as col_e:
+                raise StoreError(f"cannot store {name}.{c} ({t[0]}): {one_line(col_e)}") from None
+        raise StoreError(f"cannot store {name} rows: {one_line(e)}") from None
+
+
+def new_run_id() -> str:
+    # Time first so run ids sort by start; random suffix so two runs in one second differ.
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def runs_table(run_id: str, config: RunConfig, input: str) -> pa.Table:
+    """The row of a run starting now in this process (its host and pid tell later whether it still runs)."""
+    pid = os.getpid()
+    return arrow("runs", [{
+        "run_id": run_id, "created_at": utcnow(), "task": config.task, "model": config.model,
+        "press": config.press, "compression_ratio": config.compression_ratio, "budget": config.budget,
+        "head_budget": config.head_budget, "prefill_step_size": config.prefill_step_size,
+        "max_new_tokens": config.max_new_tokens, "config_json": config.canonical_json(),
+        "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
+        "code_version": code_version(), "input": str(input), "status": "running",
+        "prefill": getattr(config, "prefill", None), "kv_bits": getattr(config, "kv_bits", None),
+        "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
+    }])
+
+
+def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
+    """One row per question; a document without questions (failed early) still gets one row for its status."""
+    doc = {
+        "run_id": run_id, "doc_id": r.doc_id, "content_sha256": r.content_sha256, "n_tokens": r.n_tokens,
+        "prefill_s": r.prefill_s, "compress_s": r.compress_s, "prefill_tok_s": r.prefill_tok_s,
+        "peak_prefill_bytes": r.peak_prefill_bytes, "peak_decode_bytes": r.peak_decode_bytes,
+        # getattr: filled once DocumentResult carries peak KV bytes; NULL before.
+        "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
+        "peak_kv_decode_bytes": getattr(r, "peak_kv_decode_bytes", None),
+    }
+    if not r.questions:
+        return arrow("outputs", [{**doc, "status": r.status, "error": r.error}])
+    rows = []
+    for q in r.questions:
+        bad_doc = r.status != OK  # a failed document taints every question answered from it
+        rows.append({
+            **doc, "question_idx": q.question_idx, "question": q.question, "output": q.output, "gold": q.gold,
+            "status": r.status if bad_doc else q.status, "error": q.error or r.error,
+            "n_question_tokens": q.n_question_tokens, "n_generated": q.n_generated, "decode_s": q.decode_s,
+            "decode_tok_s": q.decode_tok_s,
+        })
+    return arrow("outputs", rows)
+
+
+def layer_memory_table(run_id: str, r: DocumentResult) -> pa.Table:
+    ids = {"run_id": run_id, "doc_id": r.doc_id, "content_sha256": r.content_sha256}
+    return arrow("layer_memory", [{**ids, **lm.as_dict()} for lm in r.layers])
+
+
+def evaluations_table(rows: Union[pa.Table, Iterable[Mapping[str, Any]]]) -> pa.Table:
+    """Dicts or an Arrow table with (at least) the ``evaluations`` columns."""
+    cols = [c for c, _ in columns("evaluations")]
+    data = rows.select(cols) if isinstance(rows, pa.Table) else arrow("evaluations", [
+        {c: r.get(c) for c in cols} for r in rows
+    ])
+    return data.cast(arrow_schema("evaluations"))
+
+
+def input_errors_table(run_id: str, errors: Iterable[Any]) -> pa.Table:
+    """``RowError``s of one run."""
+    return arrow("input_errors", [
+        {"run_id": run_id, "source": e.source, "row_number": e.row, "doc_id": e.doc_id, "field": e.field,
+         "message": e.message}
+        for e in errors
+    ])
