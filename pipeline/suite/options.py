@@ -1,0 +1,129 @@
+"""What a suite runs: its options (documents, press grid, calibration, ablation, summaries), the files it
+writes, and its result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import DEFAULT_MODEL, RunConfig
+from pipeline.tasks import SIZES, TASKS
+
+
+def methods() -> tuple[str, ...]:
+    """The methods a suite compares by default: the registry's (loaded on first use, not at import)."""
+    from nestedkv.press import compared_methods
+
+    return compared_methods()
+
+
+HEADLINE_RATIOS = (0.75, 0.9)
+LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
+SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
+METHODS_FILE, ABLATION_FILE, SUMMARY_FILE = "methods.parquet", "methods_ablation.parquet", "summaries.parquet"
+MARKDOWN_NAME, PLOT_NAME, PREFILLS_DIR = "suite_report.md", "frontier.png", "prefills"
+
+
+@dataclass
+class SuiteOptions:
+    model: str = DEFAULT_MODEL
+    db: str = "suite.duckdb"
+    out: str = "reports/suite"
+    size: str = "standard"
+    lengths: Optional[tuple[int, ...]] = None  # default: the size's
+    per_task: Optional[int] = None  # default: the size's
+    tasks: tuple[str, ...] = TASKS
+    seed: int = 0
+    presses: tuple[str, ...] = field(default_factory=methods)
+    ratios: tuple[float, ...] = (0.5, 0.75, 0.9)
+    head_budgets: tuple[str, ...] = ("uniform", "adaptive")
+    prefills: tuple[str, ...] = ("whole",)  # "streaming" prefills each configuration on its own
+    max_new_tokens: int = 32
+    prefill_step_size: int = 512
+    threshold: float = 0.6
+    all_tasks: bool = False  # run the methods on the cells that failed calibration too
+    austen: Optional[str] = None
+    ablation: bool = True  # NestedKV's per-scale variants (pipeline.ablation) at the headline ratios
+    variants: Optional[tuple[str, ...]] = None  # which of them (default: every NestedKV variant)
+    summaries: int = 0  # plain documents per long length whose compressed summaries are compared
+    summary_tokens: int = 128  # max_new_tokens of a summary
+    long_from: int = LONG_FROM  # "long": the headline, the ablation and the summaries use these lengths
+
+    def __post_init__(self):
+        if self.size not in SIZES:
+            raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown or not self.tasks:
+            raise ValueError(f"tasks: unknown {unknown or 'none given'}; known: {', '.join(TASKS)}")
+        if self.lengths is not None and (not self.lengths or any(int(n) < 256 for n in self.lengths)):
+            raise ValueError(f"lengths: need at least one length of 256 tokens or more, got {self.lengths!r}")
+        if self.per_task is not None and self.per_task < 1:
+            raise ValueError(f"per_task must be >= 1, got {self.per_task!r}")
+        for name in ("summaries", "summary_tokens", "long_from", "max_new_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "summaries" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'summaries' else 1}, got {v!r}")
+        if "no_press" in self.presses:
+            raise ValueError("presses: no_press is the calibration reference and always runs; leave it out")
+        if self.variants is not None:
+            from pipeline.ablation import VARIANTS
+
+            unknown = [v for v in self.variants if VARIANTS.get(v, ("",))[0] != "nestedkv"]
+            if unknown:
+                raise ValueError(f"variants: unknown {unknown}; known: "
+                                 f"{', '.join(n for n, v in VARIANTS.items() if v[0] == 'nestedkv')}")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out)
+
+    def base(self) -> RunConfig:
+        return RunConfig(task="qa", model=self.model, max_new_tokens=self.max_new_tokens,
+                         prefill_step_size=self.prefill_step_size)
+
+    def summary_base(self) -> RunConfig:
+        return RunConfig(task="summarize", model=self.model, max_new_tokens=self.summary_tokens,
+                         prefill_step_size=self.prefill_step_size)
+
+    def ablation_configs(self) -> dict[RunConfig, str]:
+        """NestedKV's variants (each scale alone, no gate, ...) at the headline ratios: config -> variant name."""
+        from pipeline.ablation import VARIANTS, variant_configs
+
+        if not self.ablation:
+            return {}
+        ratios = [r for r in HEADLINE_RATIOS if r in self.ratios] or list(self.ratios)
+        names = [n for n, v in VARIANTS.items() if v[0] == "nestedkv"] if self.variants is None else \
+            list(dict.fromkeys(["nestedkv", *self.variants]))  # the full method: what each variant is paired with
+        got = variant_configs(self.base(), list(names), ratios)
+        return {c: name for c, (name, _) in got.items() if not c.is_reference}
+
+    def configs(self, base: Optional[RunConfig] = None) -> list[RunConfig]:
+        """Every method x ratio x head budget x prefill mode (questions; ``base``: another task's settings)."""
+        from pipeline.engine import make_configs
+
+        if not self.presses:
+            return []
+        return make_configs(base or self.base(), self.presses, self.ratios, head_budgets=self.head_budgets,
+                            prefills=self.prefills)
+
+    def summary_documents(self, count) -> list[dict]:
+        from pipeline.tasks import summary_documents
+
+        lengths = [n for n in (self.lengths or SIZES[self.size].lengths) if n >= self.long_from]
+        if not self.summaries or not lengths:
+            return []
+        return summary_documents(count, lengths, self.summaries, self.seed,
+                                 Path(self.austen) if self.austen else None)
+
+
+@dataclass
+class SuiteResult:
+    suite_path: Path
+    markdown_path: Path
+    plot_path: Optional[Path]
+    calibration: list[dict]
+    headline: list[dict]
+    stage_s: dict = field(default_factory=dict)  # wall seconds per stage

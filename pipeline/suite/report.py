@@ -1,0 +1,268 @@
+"""The suite's report: markdown tables (calibration, headline, accuracy per task and length, the ablation,
+summaries) and the quality-memory frontier plot."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pipeline.documents import sha256_hex
+from pipeline.evaluate import DELTA_GOLD_NLL
+from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SuiteOptions, SuiteResult
+from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired
+from pipeline.tasks import TASKS, length_label
+
+COLOURS = {"nestedkv": "C3", "keydiff": "C0", "knorm": "C2", "streaming_llm": "C1", "random": "C7"}
+
+
+def _rank(press: str) -> int:
+    """A press's place in the tables: the registry's order."""
+    from nestedkv.press import PRESSES
+
+    order = list(PRESSES)
+    return order.index(press) if press in order else -1
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nll: Sequence[dict] = ()) -> list[str]:
+    """Per length: one row per configuration, one column per task, then the calibrated cells' mean accuracy
+    and delta gold NLL (``nll``: that metric's scores)."""
+    ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
+    nll_by = defaultdict(list)
+    for s in nll:
+        if (s["task"], s["length"]) in ok:
+            nll_by[(s["length"], s["config_hash"])].append(s["value"])
+    by = defaultdict(list)
+    for s in scores:
+        by[(s["length"], s["config_hash"])].append(s)
+    lines = []
+    for length in sorted({s["length"] for s in scores}):
+        tasks = [t for t in TASKS if any(s["task"] == t and s["length"] == length for s in scores)]
+        rows = []
+        for (n, h), ss in by.items():
+            if n != length:
+                continue
+            s0 = ss[0]
+            cells = [_fmt(_mean([s["value"] for s in ss if s["task"] == t])) for t in tasks]
+            calibrated = [s["value"] for s in ss if (s["task"], s["length"]) in ok]
+            ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
+            rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
+                          s0["compression_ratio"]),
+                         [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
+                          "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
+                          _fmt(mib.get((length, h)), 2)]))
+        rows.sort(key=lambda r: (r[0][0], _rank(r[0][1]), *r[0][2:]))
+        lines += [f"### {length_label(length)} ({length} tokens)", ""]
+        lines += _table(["configuration", "r", *tasks, "calibrated cells", "delta gold NLL", "resident KV MiB/doc"],
+                        [r for _, r in rows])
+        lines.append("")
+    return lines
+
+
+def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict, min_length: int,
+                   metric: str = "accuracy") -> list[str]:
+    """NestedKV's variants on the calibrated cells of at least ``min_length`` tokens: the metric (accuracy, or
+    delta gold NLL: lower is better) per length, and paired against the full method (uniform) at the same ratio."""
+    lower = metric != "accuracy"
+    cells = {(c["task"], c["length"]) for c in calib if c["headline"] and c["length"] >= min_length}
+    scores = [s for s in scores if (s["task"], s["length"]) in cells]
+    if not scores:
+        return []
+    lengths = sorted({s["length"] for s in scores})
+    full = {c.compression_ratio: c.config_hash() for c, name in variants.items() if name == "nestedkv"}
+    rows = []
+    order = list(dict.fromkeys(variants.values()))
+    for cfg, name in sorted(variants.items(), key=lambda kv: (kv[0].compression_ratio, order.index(kv[1]))):
+        h = cfg.config_hash()
+        mine = [s for s in scores if s["config_hash"] == h]
+        accs = [_fmt(_mean([s["value"] for s in mine if s["length"] == n])) for n in lengths]
+        p = paired(scores, h, full[cfg.compression_ratio], cells, lower) if cfg.compression_ratio in full else None
+        vs = "-" if p is None or name == "nestedkv" or not p["n"] else \
+            f"{p['better']}/{p['worse']}/{p['same']}, {p['mean_diff']:+.3f} +- {_fmt(p['se'], 3)}"
+        rows.append([name, f"{cfg.compression_ratio:g}", *accs, _fmt(_mean([s["value"] for s in mine]), 3 if lower else 2), vs])
+    return [f"## Per-scale ablation of NestedKV: {metric} (calibrated cells, "
+            + ", ".join(length_label(n) for n in lengths) + ")", "",
+            "Against = paired with full NestedKV (uniform) at the same ratio: better/worse/same, mean diff +- SE"
+            + (" (lower is better)." if lower else "."), ""] + \
+        _table(["variant", "r", *(length_label(n) for n in lengths), "all", "against nestedkv"], rows) + [""]
+
+
+def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
+    """Per long length and configuration: the compressed summary's ROUGE-L against the uncompressed one and
+    the teacher-forced delta-NLL of the uncompressed summary (0 = unchanged; higher = worse)."""
+    configs = opts.configs(opts.summary_base())
+    rows = store.summary_agreement([c.config_hash() for c in configs], [sha256_hex(d["text"]) for d in docs])
+    if not rows:
+        return []
+    length = {d["doc_id"]: d["length"] for d in docs}
+    cells = defaultdict(list)
+    for r in rows:
+        cells[(length.get(r["doc_id"]), r["config_hash"], r["metric"])].append(r["value"])
+    first = {r["config_hash"]: r for r in rows}
+    table = []
+    for c in configs:
+        h = c.config_hash()
+        for n in sorted(set(length.values())):
+            if (n, h, "rouge_l") in cells:
+                table.append([label(first[h]), f"{c.compression_ratio:g}", length_label(n),
+                              len(cells[(n, h, "rouge_l")]), _fmt(_mean(cells[(n, h, "rouge_l")])),
+                              _fmt(_mean(cells.get((n, h, "delta_nll"), [])), 3)])
+    return ["## Summaries at length: agreement with the uncompressed summary", "",
+            f"Plain documents: {len(docs)}; max_new_tokens {opts.summary_tokens}.", ""] + \
+        _table(["configuration", "r", "length", "documents", "ROUGE-L", "delta NLL"], table) + [""]
+
+
+def resident_mib(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict) -> dict:
+    """(length, config hash) -> mean resident KV MiB per document."""
+    rows = store.kv_bytes_by_document(hashes, docs)
+    acc = defaultdict(list)
+    for r in rows:
+        if r["doc_id"] in doc_length:
+            acc[(doc_length[r["doc_id"]], r["config_hash"])].append(r["resident"] / 2**20)
+    return {k: _mean(v) for k, v in acc.items()}
+
+
+def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path: Path) -> Optional[Path]:
+    """Accuracy on the calibrated cells against resident KV MiB per document: one panel per length, one
+    curve per method and budget mode (its points are the ratios), the uncompressed model as a star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
+    which = "calibrated tasks"
+    if not ok:  # nothing passed calibration (the methods ran only if asked): plot every cell, and say so
+        ok, which = {(c["task"], c["length"]) for c in calib}, "all tasks, none calibrated"
+    pts = defaultdict(list)  # (length, label) -> [(mib, accuracy, ratio)]
+    by = defaultdict(list)
+    for s in scores:
+        if (s["task"], s["length"]) in ok:
+            by[(s["length"], s["config_hash"])].append(s)
+    for (length, h), ss in by.items():
+        if (length, h) in mib:
+            pts[(length, label(ss[0]))].append((mib[(length, h)], _mean([s["value"] for s in ss]),
+                                                ss[0]["compression_ratio"]))
+    lengths = sorted({n for n, _ in pts})
+    if not lengths:
+        return None
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for (n, name), xs in sorted(pts.items()):
+            if n != length:
+                continue
+            xs = sorted(xs)
+            if name == "no_press":
+                ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], "k*", markersize=12, label="uncompressed")
+                continue
+            # colour: the method; line: the head budget; marker: the prefill mode
+            press = name.split()[0]
+            ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], color=COLOURS.get(press, "C9"),
+                    linestyle="--" if " adaptive" in name else "-", marker="s" if name.endswith(" streaming") else "o",
+                    linewidth=2.2 if press == "nestedkv" else 1.2, markersize=5, label=name)
+        ax.set_title(f"{length_label(length)} tokens ({which})")
+        ax.set_xlabel("resident KV cache per document (MiB)")
+        ax.set_ylabel("accuracy (recall of gold parts)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: never over a point
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def headline_table(heads: Sequence[dict], a: str, b: str, digits: int) -> list[str]:
+    return _table(["r", "head budget", "prefill", "questions", a, b, "better", "worse", "same", "mean diff +- SE"],
+                  [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"], h["prefill"], h["n"],
+                    _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
+                    f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
+
+
+def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optional[dict] = None,
+                 summary_docs: Sequence[dict] = ()) -> SuiteResult:
+    """The markdown report and the frontier plot for ``docs`` (and ``summary_docs``) under ``opts``'s
+    configurations."""
+    hashes = [opts.base().reference().config_hash()] + [c.config_hash() for c in opts.configs()]
+    doc_hashes = [sha256_hex(d["text"]) for d in docs]
+    scores = store.suite_scores(hashes, doc_hashes, RECALL)
+    nll = store.suite_scores(hashes, doc_hashes, DELTA_GOLD_NLL)
+    calib = calibration(scores, opts.threshold)
+    heads, cells = headline(scores, calib, long_from=opts.long_from)
+    mib = resident_mib(store, hashes, doc_hashes, {d["doc_id"]: d["length"] for d in docs})
+    out = opts.out_dir
+    plot = plot_frontier(scores, calib, mib, out / PLOT_NAME)
+
+    n_q = sum(len(d["questions"]) for d in docs)
+    lines = [f"# Synthetic long-context suite: {opts.model}", "",
+             f"{len(docs)} documents, {n_q} questions; tasks {', '.join(opts.tasks)}; lengths "
+             f"{', '.join(length_label(n) for n in sorted({d['length'] for d in docs}))}; seed {opts.seed}; "
+             f"max_new_tokens {opts.max_new_tokens}. Accuracy = share of a question's gold parts in the answer "
+             "(RULER's string_match_all; `correct` for one-part questions).", ""]
+    if stage_s:
+        lines += ["Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in stage_s.items()), ""]
+    lines += ["## Calibration (uncompressed)", "",
+              f"A cell below {opts.threshold:g} is reported and left out of the headline"
+              + ("" if opts.all_tasks else " (the methods were not run on it)") + ".", ""]
+    lines += _table(["task", "length", "questions", "accuracy", "headline"],
+                    [[c["task"], length_label(c["length"]), c["n"], _fmt(c["accuracy"]),
+                      "yes" if c["headline"] else f"no: uncompressed {_fmt(c['accuracy'])} < {opts.threshold:g}"]
+                     for c in calib])
+    kinds = defaultdict(list)  # the needle kinds, uncompressed
+    for sc in scores:
+        if sc["press"] == "no_press" and sc["kind"] in ("number", "word", "name"):
+            kinds[(sc["length"], sc["kind"])].append(sc["value"])
+    if kinds:
+        lines += ["", "Uncompressed accuracy by needle kind (the niah tasks): " + "; ".join(
+            f"{length_label(n)} {k} {_fmt(_mean(v))} ({len(v)})" for (n, k), v in sorted(kinds.items())) + "."]
+    lines += ["", "## Headline: NestedKV against KeyDiff (same budget mode)", ""]
+    if cells:
+        lines.append("Cells: " + ", ".join(f"{t} {length_label(n)}" for t, n in sorted(cells)) + ". Paired per "
+                     "question; diff = NestedKV - KeyDiff; * = NestedKV's best budget mode at that ratio (chosen "
+                     "on these same questions).")
+        lines.append("")
+        lines += headline_table(heads, "NestedKV", "KeyDiff", 2)
+        nll_heads, _ = headline(nll, calib, long_from=opts.long_from, lower_is_better=True)
+        if nll_heads:
+            lines += ["", "Delta gold NLL (teacher-forced NLL of the gold answer under the compressed cache minus "
+                      "under the full one, nats per token; lower is better), same cells and pairing:", ""]
+            lines += headline_table(nll_heads, "NestedKV", "KeyDiff", 3)
+    else:
+        lines.append("No cell passed calibration at these lengths: no headline.")
+    lines += ["", "## r = 0.5: share of the uncompressed accuracy kept (calibrated cells)", ""]
+    ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
+    full = _mean([s["value"] for s in scores if s["press"] == "no_press" and (s["task"], s["length"]) in ok])
+    keep = defaultdict(list)
+    for s in scores:
+        if s["press"] == "nestedkv" and s["compression_ratio"] == 0.5 and (s["task"], s["length"]) in ok:
+            keep[label(s)].append(s["value"])
+    lines += [f"- {name}: {_fmt(_mean(v))} of uncompressed {_fmt(full)} = {_fmt(_mean(v) / full if full else math.nan)}"
+              for name, v in sorted(keep.items())] or ["- no NestedKV run at r = 0.5 on calibrated cells"]
+    lines += ["", "## Accuracy per task, length and configuration", ""]
+    lines += accuracy_tables(scores, calib, mib, nll)
+    ablation = opts.ablation_configs()
+    if ablation:
+        abl = {c.config_hash() for c in ablation}
+        abl_scores = store.suite_scores(abl, doc_hashes, RECALL)
+        lines += ablation_table(abl_scores, calib, ablation, opts.long_from)
+        abl_nll = store.suite_scores(abl, doc_hashes, DELTA_GOLD_NLL)
+        lines += ablation_table(abl_nll, calib, ablation, opts.long_from, metric="delta gold NLL")
+    if summary_docs:
+        lines += summary_table(store, opts, summary_docs)
+    if plot:
+        lines += ["## Quality against resident KV memory", "", f"![frontier]({plot.name})", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / MARKDOWN_NAME
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return SuiteResult(out / SUITE_FILE, md, plot, calib, heads, dict(stage_s or {}))
