@@ -121,9 +121,9 @@ def test_evaluate_scores_every_compressed_configuration(runner):
             assert set(s) == {"correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement", "gold_nll",
                               "delta_gold_nll"}
     far = {(o.config.press, o.config.compression_ratio): o.scores for o in items}
-    # evicting 90% of the context moves the model further from the full cache than evicting 50%
-    mean = lambda ss, m="delta_nll": sum(s[m] for s in ss) / len(ss)  # noqa: E731
-    assert mean(far[("keydiff", 0.9)]) > mean(far[("keydiff", 0.5)])
+    # every eviction moves the answer's likelihood off the full cache's (a random model ranks 50% and 90%
+    # eviction in no particular order, so no order is asserted)
+    assert all(s["delta_nll"] != 0.0 for (press, _), ss in far.items() if press != "no_press" for s in ss)
     for s, full in zip(far[("keydiff", 0.9)], items[0].scores):  # against the full cache's NLL of the same gold
         assert s["gold_nll"] - s["delta_gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-9)
         assert s["delta_gold_nll"] != 0.0
