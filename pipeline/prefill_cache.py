@@ -92,6 +92,8 @@ class PrefillCache:
         """The cache stored under ``key``, or None (missing, unreadable, or not ``n_tokens`` positions)."""
         from mlx_lm.models.cache import load_prompt_cache
 
+        import nestedkv.kvcache  # noqa: F401  names NestedKVCache to mlx-lm's loader, which finds classes by name
+
         path = self._path(key)
         if not path.is_file():
             return None

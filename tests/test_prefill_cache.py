@@ -125,3 +125,30 @@ def test_the_cap_is_a_positive_finite_size(gb):
 
     with pytest.raises(PrefillCacheError):
         check_cap(gb)
+
+
+def test_an_entry_loads_in_a_fresh_process(tmp_path, tiny_model, tokens):
+    # mlx-lm's loader finds a saved cache's class by name: a process that has not built a cache yet (a batch's
+    # first document) must still read the entries instead of discarding them.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nestedkv
+    from tiny import feed
+
+    model = tiny_model("llama")
+    cache = nestedkv.make_cache(model, nestedkv.NoPress())
+    feed(model, cache, tokens(64), 32)
+    key = "ab" * 32
+    PrefillCache(str(tmp_path / "pc")).put(key, cache)
+    code = ("import sys; from pipeline.prefill_cache import PrefillCache; "
+            f"c = PrefillCache(sys.argv[1]).get({key!r}, 64); print(type(c[0]).__name__ if c else None)")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "pc")], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "NestedKVCache", out.stderr
+    assert list((tmp_path / "pc").glob("nkv-prefill-*.safetensors"))  # kept, not discarded as damaged
