@@ -30,7 +30,7 @@ def imported_roots(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_module_imports_upward(package):
     bad = {str(p.relative_to(ROOT)): sorted(imported_roots(p) & FORBIDDEN[package])
-           for p in sorted((ROOT / package).glob("*.py"))}
+           for p in sorted((ROOT / package).rglob("*.py"))}  # subpackages too
     assert {k: v for k, v in bad.items() if v} == {}
 
 
