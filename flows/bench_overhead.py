@@ -20,18 +20,23 @@ from pipeline.bench import timed as _timed
 
 @contextmanager
 def _noop_runner():
-    """The engine's per-document compute returns empty ok results at once: what remains is orchestration
-    and the store."""
-    from pipeline import engine
+    """Each document's work returns empty ok results at once (no prefill, no decode): what remains is
+    orchestration and the store."""
+    from pipeline.engine import document
     from pipeline.results import DocumentResult
 
-    real = engine.compute
-    engine.compute = lambda runner, doc, configs, **_: [
-        engine.Outcome(c, DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)) for c in configs]
+    real = document.Work.start
+
+    def start(work):
+        d = work.doc
+        work.results = {c: DocumentResult(d.doc_id, d.content_sha256, d.n_chars, d.title) for c in work.todo}
+        return work
+
+    document.Work.start = start
     try:
         yield
     finally:
-        engine.compute = real
+        document.Work.start = real
 
 
 def _replicated(input: str, copies: int, workdir: Path) -> str:

@@ -152,3 +152,4 @@ def test_an_entry_loads_in_a_fresh_process(tmp_path, tiny_model, tokens):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NestedKVCache", out.stderr
     assert list((tmp_path / "pc").glob("nkv-prefill-*.safetensors"))  # kept, not discarded as damaged
+
