@@ -108,3 +108,15 @@ def test_importing_a_package_loads_nothing_above_it(package):
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(FORBIDDEN[package])!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_product_package_is_shipped():
+    # an explicit package list drops subpackages from a wheel (pip install ., not -e): pipeline.store would be missing
+    import tomllib
+
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(str(ROOT), include=find["include"]))
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert on_disk <= shipped and {"pipeline.store", "nestedkv.presses", "flows.cli"} <= on_disk, on_disk - shipped
