@@ -112,11 +112,10 @@ def test_importing_a_package_loads_nothing_above_it(package):
 
 def test_every_product_package_is_shipped():
     # an explicit package list drops subpackages from a wheel (pip install ., not -e): pipeline.store would be missing
+    import fnmatch
     import tomllib
 
-    from setuptools import find_packages
-
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    shipped = set(find_packages(str(ROOT), include=find["include"]))
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
-    assert on_disk <= shipped and {"pipeline.store", "nestedkv.presses", "flows.cli"} <= on_disk, on_disk - shipped
+    missing = {name for name in on_disk if not any(fnmatch.fnmatchcase(name, pat) for pat in find["include"])}
+    assert {"pipeline.store", "nestedkv.presses", "flows.cli"} <= on_disk and not missing, missing
