@@ -73,6 +73,11 @@ def _run(model, press, toks, chunk):
     cache = make_cache(model, press, context_len=len(toks))
     for i in range(0, len(toks), chunk):
         model(toks[None, i : i + chunk], cache=cache)
+    for c in cache:
+        if c.stream is not None:  # the press's streaming scorer agrees with its whole-context score
+            k = c.keys[..., : c.stored, :]
+            want = press.score(c.unrope(k, 0) if press.unrotate else k)
+            np.testing.assert_allclose(np.array(c.stream.scores(k, None, c.unrope)), np.array(want), atol=1e-5)
     compress(cache)
     return cache
 
