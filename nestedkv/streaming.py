@@ -42,7 +42,7 @@ class StreamScorer:
     def __init__(self, press, context_len: Optional[int]):
         self.press = press
 
-    def observe(self, keys: mx.array, p0: int, rows: dict, unrope) -> dict:
+    def observe(self, keys: mx.array, p0: int, rows: dict) -> dict:
         """Fold a new chunk ``[B,H,n,D]`` at positions ``p0..`` in; return its rows' features. ``rows``: the
         stored rows' features, which a scorer may refresh in place."""
         return {}
@@ -68,17 +68,15 @@ class AnchorScorer(StreamScorer):
         super().__init__(press, context_len)
         self.g_sum: Optional[mx.array] = None  # [B,H,1,D] fp32
 
-    def unit_keys(self, keys: mx.array, p0: int, unrope) -> mx.array:
-        """The chunk's unit keys (unrotated when the press says so), folded into the anchor."""
-        if self.press.unrotate:
-            keys = required(unrope, self.press.name)(keys, p0)
+    def unit_keys(self, keys: mx.array) -> mx.array:
+        """The chunk's unit keys, folded into the anchor."""
         ku = _unit(keys.astype(mx.float32))
         total = mx.sum(ku, axis=2, keepdims=True)
         self.g_sum = total if self.g_sum is None else self.g_sum + total
         return ku
 
-    def observe(self, keys, p0, rows, unrope):
-        self.unit_keys(keys, p0, unrope)
+    def observe(self, keys, p0, rows):
+        self.unit_keys(keys)
         return {}
 
     def stable(self, keys: mx.array) -> mx.array:
@@ -115,12 +113,6 @@ class StreamState:
         self.evicted = False
         self.rows: dict[str, Optional[mx.array]] = {k: None for k in ("pos", *scorer.features)}  # each [B,H,R]
 
-    def __getattr__(self, name):
-        # The press's own statistics (g_sum, block, ...) read through the state, as when it held them all.
-        if name == "scorer":
-            raise AttributeError(name)
-        return getattr(self.scorer, name)
-
     # -- feeding ---------------------------------------------------------------------------------
     def observe(self, keys: mx.array, unrope=None) -> dict:
         """Update the running statistics with a new chunk ``[B,H,n,D]``; return the new rows' features (append
@@ -130,7 +122,9 @@ class StreamState:
         p0 = self.seen
         self.seen += n
         new = {"pos": mx.broadcast_to(mx.arange(p0, p0 + n, dtype=mx.int32), (B, H, n))}
-        return {**new, **self.scorer.observe(keys, p0, self.rows, unrope)}
+        if self.press.unrotate:  # the scorers see the chunk as they see the stored rows in ``scores``
+            keys = required(unrope, self.press.name)(keys, p0)
+        return {**new, **self.scorer.observe(keys, p0, self.rows)}
 
     def append(self, new: dict) -> None:
         for k, v in new.items():

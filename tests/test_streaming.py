@@ -191,7 +191,7 @@ def test_streaming_nestedkv_anchors_equal_a_numpy_reference():
         c.update_and_fetch(keys[..., start:stop, :], keys[..., start:stop, :])
         s = c.stream
         g, cos_e, cos_c = _numpy_anchors(keys, stop, 64, block_size(N))
-        np.testing.assert_allclose(np.array(s.g_sum)[:, :, 0], g, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.array(s.scorer.g_sum)[:, :, 0], g, rtol=1e-5, atol=1e-4)
         pos = np.array(s.rows["pos"])
         assert pos.shape[2] == c.stored and (np.diff(pos, axis=2) > 0).all()
         for h in range(H):

@@ -40,9 +40,9 @@ class NestedKVScorer(AnchorScorer):
         self.block_keys: Optional[mx.array] = None  # [B,H,<block,D] unit keys of the open block
         self.block_start = 0  # position of the open block's first token
 
-    def observe(self, keys, p0, rows, unrope):
+    def observe(self, keys, p0, rows):
         n = keys.shape[2]
-        ku = self.unit_keys(keys, p0, unrope)
+        ku = self.unit_keys(keys)
         # Window: this chunk plus the carried keys, so each new token sees its full trailing window.
         window = self.press.window
         ext = ku if self.carry is None else mx.concatenate([self.carry, ku], axis=2)
