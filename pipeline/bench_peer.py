@@ -31,10 +31,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pipeline.config import REFERENCE_PRESS
+
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
 DEFAULT_EXPORT = ".peer"
 WORKER = Path(__file__).with_name("peer_worker.py")
-REFERENCE = "no_press"
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Method:
 
 
 METHODS = (
-    Method(REFERENCE, REFERENCE, n_sink=None),
+    Method(REFERENCE_PRESS, REFERENCE_PRESS, n_sink=None),
     Method("keydiff", "keydiff", peer_press="KeyDiffPress"),
     Method("adakv(keydiff)", "keydiff", head_budget="adaptive", peer_press="KeyDiffPress", peer_adaptive=True),
     Method("knorm", "knorm", peer_press="KnormPress"),
@@ -126,7 +127,7 @@ def our_configs(model: str, ratio: float, max_new_tokens: int, methods: Sequence
 
     out = []
     for m in methods:
-        if m.press == REFERENCE:
+        if m.press == REFERENCE_PRESS:
             out.append(RunConfig(task="qa", model=model, max_new_tokens=max_new_tokens).reference())
         else:
             out.append(RunConfig(task="qa", model=model, press=m.press, compression_ratio=ratio,
@@ -193,7 +194,7 @@ def _per_hour(n_docs: int, seconds: float) -> float:
 def side_figures(records: dict, one_method: str, shared_prefill: bool) -> dict:
     """Throughput of one side. ``shared_prefill``: every configuration starts from one prefill per
     document (ours), else each configuration prefills on its own (kvpress)."""
-    ref = records[REFERENCE]
+    ref = records[REFERENCE_PRESS]
     n_docs = len(ref)
     tokens = sum(d["n_tokens"] for d in ref)
     prefill = sum(d["prefill_s"] for d in ref)
@@ -222,8 +223,8 @@ def summarize(ours: dict, peer: dict, golds: list, one_method: str = "keydiff") 
     from pipeline.evaluate import contains_gold, exact_match
 
     rows = []
-    ref_ours = sum(d["kv_resident_bytes"] for d in ours[REFERENCE])
-    ref_peer = sum(d["kv_resident_bytes"] for d in peer[REFERENCE])
+    ref_ours = sum(d["kv_resident_bytes"] for d in ours[REFERENCE_PRESS])
+    ref_peer = sum(d["kv_resident_bytes"] for d in peer[REFERENCE_PRESS])
     for label in ours:
         a = [(x, g) for d, gs in zip(ours[label], golds) for x, g in zip(d["answers"], gs)]
         b = [x for d in peer[label] for x in d["answers"]]

@@ -34,6 +34,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pipeline.results import TOO_LONG
+
 CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
 GOLD_KEPT, GOLD_NLL, DELTA_GOLD_NLL = "gold_kept", "gold_nll", "delta_gold_nll"
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_NLL, DELTA_GOLD_NLL)
@@ -175,7 +177,7 @@ def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], refer
     with the reference run (dropped when there is none). NaN values are not stored."""
     rows = []
     for q, s in zip(result.questions, scores):
-        if q.status == "too_long":  # never answered: no evaluation (its outputs row names why)
+        if q.status == TOO_LONG:  # never answered: no evaluation (its outputs row names why)
             continue
         for metric, value in (s or {}).items():
             ref = None if metric in GOLD_METRICS else reference_run_id
@@ -219,7 +221,7 @@ class Reference:
         answers, targets, logits = [], [], []
         gold = gold_targets(runner.tokenizer, prepared)
         # a question too long for the window is never fed (its row says so): no NLL
-        nll = [math.nan if q.status == "too_long" else gold_nll(runner.model, cache, q_ids, g)
+        nll = [math.nan if q.status == TOO_LONG else gold_nll(runner.model, cache, q_ids, g)
                for q, (_, q_ids, _), g in zip(res.questions, prepared.questions, gold)]
         for q, (_, q_ids, _) in zip(res.questions, prepared.questions):
             ok = q.status == "ok"
