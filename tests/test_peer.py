@@ -14,7 +14,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from pipeline import bench_peer
-from pipeline.bench_peer import REFERENCE, Refusal, check_probe, compare_logits, format_report, summarize
+from pipeline.bench_peer import Refusal, check_probe, compare_logits, format_report, summarize
+from pipeline.config import REFERENCE_PRESS as REFERENCE
 from pipeline.peer_export import MARKER, export_fp32, hf_config
 from tiny import save_tiny_model_dir, tiny_model
 
