@@ -151,7 +151,7 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
             queries[:, h * g : (h + 1) * g],
             keys[h],
             values[h],
-            cache=cache if hasattr(cache, "bits") else None,
+            cache=cache,
             scale=scale,
             mask=mask,
             sinks=None if sinks is None else sinks[h * g : (h + 1) * g],

@@ -153,12 +153,13 @@ class NestedKVCache(KVCache):
         return "bits" in vars(self)
 
     def _quantize(self, x: mx.array) -> tuple:
-        check_divides(self.group_size, x.shape[-1])
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def _quantize_rows(self) -> None:
-        """Quantize the rows compression kept, once (they were scored before, on the real keys)."""
+        """Quantize the rows compression kept, once (they were scored before, on the real keys); rows appended
+        later have the same head dimension, so the group size is checked here only."""
         self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+        check_divides(self.group_size, self.layout.buffers()[0].shape[-1])
         self.layout.quantize(self._quantize, self.stored)
         mx.eval(self.layout.buffers())  # so the unquantized buffers are freed
 

@@ -1,5 +1,5 @@
 """How one layer holds its rows, per KV head ``[ kept context rows | appended rows | free ]``: two classes
-behind one interface, chosen by the cache (``cache.py``).
+behind one interface, chosen by the cache (``kvcache.py``).
 
 - ``Dense``: ``keys``/``values`` ``[B, H, rows, D]``, every head the same row count (uniform budgets, no press).
   With ``valid`` ``[B, H, n_ctx_rows]`` it is the padded layout: shorter heads are padded and

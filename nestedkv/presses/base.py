@@ -52,7 +52,7 @@ class BasePress:
     n_sink: int = N_SINK
     safeguard: float = SAFEGUARD
     # "whole": compress once after the last prefill chunk. "streaming": also evict down to the budget during
-    # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see cache.py).
+    # the chunked prefill whenever a layer holds more than budget + one chunk (bounded peak; see kvcache.py).
     prefill: str = "whole"
     # Score the keys with the model's rotary embedding undone (each key rotated back by its position);
     # the cache keeps the rotated keys. Needs the cache built by make_cache (or clone) with the model.
@@ -177,6 +177,6 @@ def _int_in(v, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def check(ok: bool, name: str, want: str, got, press: str = "nestedkv") -> None:
+def check(ok: bool, name: str, want: str, got, press: str) -> None:
     if not ok:
         raise ValueError(f"{press} parameter {name} must be {want}, got {got!r}")

@@ -103,17 +103,17 @@ class NestedKVPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        check(_int_in(self.window, 1, INT32_MAX), "window", f"an int in 1..{INT32_MAX}", self.window)
+        check(_int_in(self.window, 1, INT32_MAX), "window", f"an int in 1..{INT32_MAX}", self.window, self.name)
         check(self.block is None or _int_in(self.block, 1, INT32_MAX), "block", f"None or an int in 1..{INT32_MAX}",
-              self.block)
+              self.block, self.name)
         check(isinstance(self.prior, tuple) and len(self.prior) == 3 and all(_number(p) and p > 0 for p in self.prior),
-              "prior", "three positive numbers", self.prior)
+              "prior", "three positive numbers", self.prior, self.name)
         for name in ("beta", "tau", "kappa"):
-            check(_number(getattr(self, name)), name, "a finite number", getattr(self, name))
-        check(_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail)
-        check(isinstance(self.use_gate, bool), "use_gate", "true or false", self.use_gate)
+            check(_number(getattr(self, name)), name, "a finite number", getattr(self, name), self.name)
+        check(_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail, self.name)
+        check(isinstance(self.use_gate, bool), "use_gate", "true or false", self.use_gate, self.name)
         check(isinstance(self.scales, tuple) and len(self.scales) == 3 and all(isinstance(x, bool) for x in self.scales)
-              and any(self.scales), "scales", "three booleans, at least one true", self.scales)
+              and any(self.scales), "scales", "three booleans, at least one true", self.scales, self.name)
 
     def score(self, keys):
         return scoring.nestedkv_scores(keys, **self._learner(), window=self.window, block=self.block)
