@@ -44,9 +44,11 @@ class Reads(Connection):
         """``query`` as record batches, fetched as they are read, so a large result is never held whole.
         ``interrupt`` (from another thread) stops it; errors while reading are ``StoreError`` too."""
         def start():
-            res = self.con.execute(sql)
-            return res.to_arrow_reader(rows_per_batch) if hasattr(res, "to_arrow_reader") \
-                else res.fetch_record_batch(rows_per_batch)
+            # A relation's reader streams; DuckDB 2 warns that a DB-API result's reader copies the rows first.
+            rel = self.con.sql(sql)
+            if rel is None:  # a statement without a result (older DuckDB)
+                return pa.RecordBatchReader.from_batches(pa.schema([]), [])
+            return rel.to_arrow_reader(rows_per_batch)
 
         session = self._session()  # held until the last batch is read (the caller's thread throughout)
         session.__enter__()
