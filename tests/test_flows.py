@@ -291,6 +291,13 @@ def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
     assert ONE.arguments(spec)["options"].repetition_context_size == 16
     assert "repetition_context_size" not in RunConfig().canonical_json()  # hashed as before the field existed
     assert RunConfig(repetition_context_size=16).config_hash() != RunConfig().config_hash()
+    import typer
+
+    from flows.cli import app
+
+    commands = typer.main.get_command(app).commands
+    for cmd in ("run", "sweep", "eval", "serve"):  # the option the CLI generates from the field
+        assert any("--repetition-context-size" in p.opts for p in commands[cmd].params), cmd
 
 
 def test_generated_flows_are_importable_where_deployments_look_for_them():
