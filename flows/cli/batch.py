@@ -172,7 +172,7 @@ def serve(
 
 
 @app.command("eval")
-@press_options(press="nestedkv,keydiff,knorm,streaming_llm,random", compression_ratio="0.5,0.75,0.9")
+@press_options(press=None, compression_ratio="0.5,0.75,0.9")  # no --press: every compared press of the registry
 @generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
     input: str = typer.Option("data/eval_set.parquet", "--input", help="Parquet file, glob or folder (with questions)"),
@@ -184,8 +184,11 @@ def eval_(
 ):
     """Answer quality against the uncompressed model: per document one prefill, then every configuration
     (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
+    from nestedkv.press import compared_methods
     from pipeline.engine import run_spec
 
+    if press["press"] is None:
+        press = {**press, "press": ",".join(compared_methods())}
     spec = build(press, generation, input=input, task="qa", model=model, db=db, evaluate=True,
                  metrics=tuple(metric or ()))
     check_environment(prefect=False)

@@ -23,8 +23,8 @@ def suite(
     model: str = ModelOpt,
     db: str = typer.Option("suite.duckdb", "--db", help="DuckDB file"),
     out: str = typer.Option("reports/suite", "--out", help="folder for suite.parquet, suite_report.md, frontier.png"),
-    press: str = typer.Option("nestedkv,keydiff,knorm,streaming_llm,random", "--press", help="methods ('' = "
-                              "calibration only)"),
+    press: Optional[str] = typer.Option(None, "--press", help="methods (default: every compared press of the "
+                                        "registry; '' = calibration only)"),
     compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio"),
     head_budget: str = typer.Option("uniform,adaptive", "--head-budget"),
     prefill: str = typer.Option("whole", "--prefill", help="whole and/or streaming (streaming prefills per "
@@ -53,7 +53,7 @@ def suite(
             model=model, db=db, out=out, size=size, per_task=per_task, seed=seed,
             lengths=tuple(split_list(lengths, int, "--lengths")) or None,
             tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
-            presses=tuple(split_list(press, str, "--press")),
+            presses=suite_mod.methods() if press is None else tuple(split_list(press, str, "--press")),
             ratios=tuple(split_list(compression_ratio, float, "--compression-ratio")),
             head_budgets=tuple(split_list(head_budget, str, "--head-budget")),
             prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
