@@ -184,14 +184,8 @@ class RunConfig(GenerationSettings, PressSettings):
         new = {n for n, f in type(self).model_fields.items()
                if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
         dump = self.model_dump(exclude=new | (set(KV_FIELDS) if self.kv_bits is None else set()))
-        dump["press_params"] = self._hashed_params()
+        dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
-
-    def _hashed_params(self) -> dict:
-        # ``unrotate`` hashes as runs stored before its default changed wrote it (absent when off, true when
-        # on): a run that computes what a stored one computed keeps that run's hash.
-        params = {k: v for k, v in self.press_params.items() if k != "unrotate"}
-        return {**params, "unrotate": True} if self.make_press().unrotate else params
 
     def config_hash(self) -> str:
         if self._hash is None:

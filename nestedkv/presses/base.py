@@ -115,6 +115,13 @@ class BasePress:
         tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}
         return {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in params.items()}
 
+    def hashed_params(self, given: dict) -> dict:
+        """The parameters ``given`` for this press, as a run's hash sees them: ``unrotate`` as runs stored
+        before its default changed wrote it (absent when off, true when on), so a run that computes what a
+        stored one computed keeps that run's hash."""
+        params = {k: v for k, v in given.items() if k != "unrotate"}
+        return {**params, "unrotate": True} if self.unrotate else params
+
     def to_json(self) -> str:
         params = asdict(self)
         # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
