@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.bench import timed as _timed
+from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL
 
 
 @contextmanager
@@ -107,7 +108,7 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
     }
 
 
-def run(input: str = "data/sample_batch.parquet", model: str = "smollm2-135m", max_new_tokens: int = 16,
+def run(input: str = DEFAULT_INPUT, model: str = DEFAULT_MODEL, max_new_tokens: int = 16,
         repeats: int = 1, model_runs: bool = True, as_json: bool = False,
         log: Callable[[str], None] = print) -> dict:
     """``measure`` in a temporary folder, through ``log`` as a table with its reading (or one JSON object).

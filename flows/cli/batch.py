@@ -13,6 +13,10 @@ from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, a
 from flows.cli.spec import (batch_progress, build, exit_unless_done, print_input_errors, print_savings,
                             print_summary)
 from flows.options import generation_options, press_options
+from flows.params import SWEEP
+
+_SWEPT = {"press": ",".join(SWEEP.defaults["presses"]),  # the budget-sweep flow's defaults, as CLI lists
+          "compression_ratio": ",".join(map(str, SWEEP.defaults["compression_ratios"]))}
 
 @app.command()
 @press_options()
@@ -96,10 +100,10 @@ def run_pool(spec, data_path, pool, shards, shard_size) -> None:
 
 
 @app.command()
-@press_options(press="nestedkv,keydiff", compression_ratio="0.5,0.75,0.9")
+@press_options(**_SWEPT)
 @generation_options()
 def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
-          evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score each configuration against no_press"),
+          evaluate: bool = typer.Option(SWEEP.defaults["evaluate"], "--evaluate/--no-evaluate", help="score each configuration against no_press"),
           press: dict = None, generation: dict = None):
     """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
     spec = build(press, generation, input=input, task=task, model=model, db=db, reference=True, evaluate=evaluate)
@@ -172,7 +176,7 @@ def serve(
 
 
 @app.command("eval")
-@press_options(press=None, compression_ratio="0.5,0.75,0.9")  # no --press: every compared press of the registry
+@press_options(press=None, compression_ratio=_SWEPT["compression_ratio"])  # no --press: every compared press of the registry
 @generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
     input: str = typer.Option("data/eval_set.parquet", "--input", help="Parquet file, glob or folder (with questions)"),
