@@ -25,6 +25,7 @@ from pipeline.documents import Document
 from pipeline.engine import Hooks, Outcome, Summary
 from pipeline.spec import BatchSpec
 from pipeline.store import Store, StoreWriteError
+from pipeline.store.errors import one_line
 
 # Worth retrying: device memory, I/O and runtime failures. Anything else (a bug, bad data) would fail
 # again the same way, so it stays an error row at once.
@@ -120,10 +121,6 @@ def final_state(summary: Summary):
     if summary.write_error is None and summary.n_not_stored == 0:
         return summary
     return Failed(message=summary.problem(), data=BatchNotStored(summary))
-
-
-def one_line(text: str) -> str:
-    return (str(text).strip().splitlines() or [""])[0]
 
 
 def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tuple[str, str]]:

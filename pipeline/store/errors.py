@@ -16,5 +16,6 @@ class StoreLockedError(StoreError):
     """Another process holds the store (still, after ``wait_s``)."""
 
 
-def one_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def one_line(e) -> str:
+    """The first line of an error or a message (an exception without text: its type's name)."""
+    return (str(e).strip().splitlines() or [type(e).__name__ if isinstance(e, BaseException) else ""])[0]
