@@ -205,11 +205,15 @@ def disk_fills_after(n_writes: int):
             if not full:
                 return real(self, items)
             wal = ctx.db.with_name(ctx.db.name + ".wal")  # the next commit appends to it
+            # A background thread's log record written meanwhile (Prefect's event worker) would hit the limit
+            # in the test runner's capture file: the harness's file, not the product's, so it is dropped.
+            raising, logging.raiseExceptions = logging.raiseExceptions, False
             resource.setrlimit(resource.RLIMIT_FSIZE, (wal.stat().st_size if wal.exists() else 0, hard))
             try:
                 return real(self, items)
             finally:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+                logging.raiseExceptions = raising
 
         ctx.monkeypatch.setattr(Store, "write_results", write_results)
     return setup
