@@ -10,6 +10,8 @@ import pytest
 from tiny import TINY_NAME, ByteTokenizer, use_tiny_model
 
 from pipeline import suite, tasks
+from pipeline.config import BatchOptions
+from pipeline.spec import PressGrid
 from pipeline.documents import load_documents
 
 LENGTH = 1024  # bytes of the byte tokenizer: the quick size
@@ -151,7 +153,8 @@ def test_calibration_excludes_cells_below_the_threshold():
 
 
 def test_suite_ablation_variants_can_be_chosen():
-    opts = suite.SuiteOptions(ratios=(0.75,), variants=("block only", "window only post-RoPE"))
+    opts = suite.SuiteOptions(grid=PressGrid(press=["nestedkv"], compression_ratio=[0.75]),
+                              variants=("block only", "window only post-RoPE"))
     got = sorted(opts.ablation_configs().values())
     assert got == ["block only", "nestedkv", "window only post-RoPE"]  # with the full method to pair against
     assert [c.press_params for c, n in opts.ablation_configs().items() if n == "window only post-RoPE"] == \
@@ -161,12 +164,46 @@ def test_suite_ablation_variants_can_be_chosen():
         suite.SuiteOptions(variants=("keydiff",))  # a baseline, not a NestedKV variant
 
 
+def test_suite_options_are_the_batch_settings(tmp_path):
+    opts = suite.SuiteOptions(out=str(tmp_path / "rep"), grid=PressGrid(press=["keydiff"], compression_ratio=[0.5, 0.9],
+                                                                         kv_bits=[None, 4]),
+                              options=BatchOptions(max_new_tokens=7, prefill_step_size=256))
+    got = [(c.press, c.compression_ratio, c.kv_bits, c.max_new_tokens, c.prefill_step_size) for c in opts.configs()]
+    assert got == [("keydiff", r, b, 7, 256) for r in (0.5, 0.9) for b in (None, 4)]
+    assert opts.summary_base().max_new_tokens == opts.summary_tokens and opts.summary_base().prefill_step_size == 256
+    # every stage scores against no_press; the prefills are kept under OUT unless another folder is given
+    assert opts.engine().evaluate and opts.engine().prefill_cache == str(tmp_path / "rep" / "prefills")
+    other = suite.SuiteOptions(options=BatchOptions(prefill_cache=str(tmp_path / "pc")))
+    assert other.engine().prefill_cache == str(tmp_path / "pc")
+    with pytest.raises(ValueError, match="no_press is the calibration reference"):
+        suite.SuiteOptions(grid=PressGrid(press=["no_press", "keydiff"]))
+    with pytest.raises(ValueError, match="budget: the suite compares ratios"):
+        suite.SuiteOptions(grid=PressGrid(press=["keydiff"], budget=[64]))
+
+
+def test_suite_pairs_and_labels_each_kv_width_apart():
+    rows = [{"press": p, "compression_ratio": 0.75, "head_budget": "adaptive", "prefill": "whole", "kv_bits": b,
+             "task": "niah_single", "length": 4096, "doc_id": "d", "question_idx": q, "config_hash": f"{p}{b}",
+             "value": v} for p, b, vals in (("nestedkv", None, (1, 1)), ("keydiff", None, (1, 0)),
+                                            ("nestedkv", 4, (0, 0)), ("keydiff", 4, (1, 0)))
+            for q, v in enumerate(vals)]
+    calib = [{"task": "niah_single", "length": 4096, "n": 2, "accuracy": 1.0, "headline": True}]
+    heads, _ = suite.headline(rows, calib, ratios=(0.75,))
+    got = {h["kv_bits"]: (h["acc_a"], h["acc_b"], h["better"], h["worse"]) for h in heads}
+    assert got == {None: (1.0, 0.5, 1, 0), 4: (0.0, 0.5, 0, 1)}
+    assert [suite.label(r) for r in rows[::4]] == ["nestedkv adaptive", "nestedkv adaptive 4-bit"]
+    table = "\n".join(suite.headline_table(heads, "nestedkv", "keydiff", 2))
+    assert "| 0.75 * | adaptive | whole |" in table and "| 0.75 | adaptive | whole 4-bit |" in table
+
+
 @pytest.mark.slow  # the whole suite on a tiny model
 def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
                               size="quick", lengths=(768,), tasks=("niah_single", "variable_tracking"),
-                              presses=("nestedkv", "keydiff"), ratios=(0.75,), head_budgets=("uniform",),
-                              max_new_tokens=3, threshold=0.0,  # a random model scores 0: let every cell through
+                              grid=PressGrid(press=["nestedkv", "keydiff"], compression_ratio=[0.75],
+                                             head_budget=["uniform"]),
+                              options=BatchOptions(max_new_tokens=3, batch_decode=True),
+                              threshold=0.0,  # a random model scores 0: let every cell through
                               long_from=768, summaries=1, summary_tokens=3)
     with use_tiny_model(monkeypatch):
         res = suite.run_suite(opts, count=COUNT, log=lambda m: None)
@@ -217,6 +254,13 @@ def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):
     assert "No cell passed calibration" in res.output
     res = CliRunner().invoke(app, [*args, "--tasks", "niah_single,bogus"])
     assert res.exit_code == 2 and "tasks" in res.output and "bogus" in res.output
+    # the press options are the batch commands' grid: quantized KV is one more axis, checked before any work
+    res = CliRunner().invoke(app, [*args, "--press", "keydiff", "--kv-bits", "3"])
+    assert res.exit_code == 2 and "--kv-bits must be 4 or 8" in res.output
+    args[args.index("--out") + 1] = str(tmp_path / "quant")
+    with use_tiny_model(monkeypatch):  # head dimension 16: no quantization group divides it
+        res = CliRunner().invoke(app, [*args, "--press", "keydiff", "--kv-bits", "16,8"])
+    assert res.exit_code == 2 and "--kv-group-size" in res.output and not (tmp_path / "quant").exists()
 
 
 def test_cli_tasks_writes_what_generate_makes(monkeypatch, tmp_path):

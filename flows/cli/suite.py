@@ -8,11 +8,22 @@ from typing import Optional
 
 import typer
 
-from flows.cli.common import ModelOpt, app, fail, invalid, out_console, say, split_list, user_errors
-from flows.cli.spec import batch_progress
+from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, split_list,
+                              user_errors)
+from flows.cli.spec import batch_progress, press_grid
+from flows.options import generation_options, press_options
+from pipeline.config import BatchOptions
+from pipeline.suite.options import SUITE_RATIOS, default_options
+
+# The suite's own defaults for the generated options; every other default is the settings'.
+_GRID = {"press": None, "compression_ratio": ",".join(map(str, SUITE_RATIOS)), "head_budget": "uniform,adaptive"}
+_OPTIONS = default_options().model_dump(include={"max_new_tokens", "batch_decode"})
+_FLOW_ONLY = ("retries", "retry_delay_s")  # the suite runs the engine, not the flows: no task retries
 
 
 @app.command()
+@press_options(**_GRID)
+@generation_options(exclude=_FLOW_ONLY, **_OPTIONS)
 def suite(
     size: str = typer.Option("standard", "--size", help="quick (1k, 1 per task), small (2k, 2), standard (2k/4k/8k, 2)"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="target context tokens, e.g. 2048,4096 (overrides "
@@ -23,13 +34,6 @@ def suite(
     model: str = ModelOpt,
     db: str = typer.Option("suite.duckdb", "--db", help="DuckDB file"),
     out: str = typer.Option("reports/suite", "--out", help="folder for suite.parquet, suite_report.md, frontier.png"),
-    press: Optional[str] = typer.Option(None, "--press", help="methods (default: every compared press of the "
-                                        "registry; '' = calibration only)"),
-    compression_ratio: str = typer.Option("0.5,0.75,0.9", "--compression-ratio"),
-    head_budget: str = typer.Option("uniform,adaptive", "--head-budget"),
-    prefill: str = typer.Option("whole", "--prefill", help="whole and/or streaming (streaming prefills per "
-                                "configuration)"),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
     threshold: float = typer.Option(0.6, "--threshold", help="least uncompressed accuracy for a task x length "
                                     "cell to enter the headline"),
     all_tasks: bool = typer.Option(False, "--all-tasks", help="run the methods on cells below the threshold too"),
@@ -42,27 +46,33 @@ def suite(
     austen: Optional[str] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
     long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
                                   "headline, the ablation and the summaries"),
+    press: dict = None,
+    generation: dict = None,
 ):
     """The synthetic long-context suite (RULER-style tasks on Austen's prose): generate, calibrate on the
-    uncompressed model, run the methods, report per task and the quality-memory frontier."""
+    uncompressed model, run the methods, report per task and the quality-memory frontier. The press options
+    are a grid as in ``nkv sweep`` (--press '' : calibration only; default: every compared press)."""
     from pipeline import suite as suite_mod
+    from pipeline.spec import PressGrid
     from pipeline.tasks import TASKS
 
+    if press["press"] is None:
+        press = {**press, "press": ",".join(suite_mod.methods())}
     try:
         opts = suite_mod.SuiteOptions(
             model=model, db=db, out=out, size=size, per_task=per_task, seed=seed,
             lengths=tuple(split_list(lengths, int, "--lengths")) or None,
             tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
-            presses=suite_mod.methods() if press is None else tuple(split_list(press, str, "--press")),
-            ratios=tuple(split_list(compression_ratio, float, "--compression-ratio")),
-            head_budgets=tuple(split_list(head_budget, str, "--head-budget")),
-            prefills=tuple(split_list(prefill, str, "--prefill")), max_new_tokens=max_new_tokens,
-            threshold=threshold, all_tasks=all_tasks, ablation=ablation,
-            variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
+            grid=PressGrid(**press_grid(press)), options=BatchOptions(**generation), threshold=threshold,
+            all_tasks=all_tasks, ablation=ablation, variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
             long_from=long_from, austen=austen)
-        opts.configs()  # validate the press options before any work
+        configs = opts.configs()  # validate the press options before any work
     except ValueError as exc:
         invalid(exc)
+    with user_errors():
+        from pipeline.models import load_model
+
+        check_kv_group_size(load_model(model)[0], configs)
     with user_errors(), batch_progress(configs_bar=True) as hooks:
         res = suite_mod.run_suite(opts, hooks=hooks, log=say)
     out_console.print(res.markdown_path.read_text(encoding="utf-8"), markup=False, highlight=False)

@@ -53,7 +53,7 @@ FROM docs GROUP BY config_hash
 """
 
 SUITE_SCORES_SQL = """
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, s.task, s.length, s.kind,
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, s.task, s.length, s.kind,
        e.doc_id, e.question_idx, e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
@@ -74,7 +74,8 @@ QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.creat
 """
 
 SUMMARY_SQL = """
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, e.doc_id, e.metric, e.value
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, e.doc_id, e.metric,
+       e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
 WHERE e.metric IN ('rouge_l', 'delta_nll') AND r.config_hash IN (SELECT unnest($hashes))

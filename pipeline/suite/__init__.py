@@ -43,7 +43,7 @@ from pipeline.tasks import SIZES, generate, length_label, token_counter, write
 def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=print) -> SuiteResult:
     """Generate, calibrate, run the methods on the calibrated cells, score and report. ``count``: the token
     counter (default: the model's tokenizer); ``runner``: an engine runner (default: the model's)."""
-    from pipeline.engine import NO_HOOKS, EngineOptions, run
+    from pipeline.engine import NO_HOOKS, run
     from pipeline.store import Store
 
     hooks = hooks or NO_HOOKS
@@ -65,10 +65,9 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     log(f"{suite}: {len(docs)} documents, {sum(len(d['questions']) for d in docs)} questions "
         f"({stage['generate']:.0f} s)")
 
-    # Calibration and the methods are two passes over the same documents: the second loads the first's prefills.
-    engine = EngineOptions(evaluate=True, batch_decode=True, prefill_cache=str(out / PREFILLS_DIR))
+    engine, wait_s = opts.engine(), opts.options.wait
     t0 = time.perf_counter()
-    run(str(suite), [opts.base().reference()], opts.db, engine, hooks=hooks, runner=runner)
+    run(str(suite), [opts.base().reference()], opts.db, engine, hooks=hooks, runner=runner, wait_s=wait_s)
     with Store(opts.db) as store:
         score(store)
         hashes = [opts.base().reference().config_hash()]
@@ -91,14 +90,14 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
                              (long, configs + [c for c in ablation if c not in configs], ABLATION_FILE)):
         if part and configs:  # no methods: calibration only
             log(f"{len(want)} configurations on {len(part)} documents")
-            run(str(write(part, out / name)), want, opts.db, engine, hooks=hooks, runner=runner)
+            run(str(write(part, out / name)), want, opts.db, engine, hooks=hooks, runner=runner, wait_s=wait_s)
     stage["methods"] = time.perf_counter() - t0
     summaries = opts.summary_documents(count)
     if summaries and opts.presses:
         t0 = time.perf_counter()
         configs = opts.configs(opts.summary_base())
         log(f"summaries: {len(configs)} configurations on {len(summaries)} documents")
-        run(str(write(summaries, out / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None)
+        run(str(write(summaries, out / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None, wait_s=wait_s)
         stage["summaries"] = time.perf_counter() - t0
     with Store(opts.db) as store:
         score(store)

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config import DEFAULT_MODEL, RunConfig
+from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
+from pipeline.spec import PressGrid
 from pipeline.tasks import SIZES, TASKS
 
 
@@ -18,6 +19,17 @@ def methods() -> tuple[str, ...]:
     return compared_methods()
 
 
+def default_grid() -> PressGrid:
+    """What a suite runs unless told: every compared method at three ratios, both budget modes, whole prefill."""
+    return PressGrid(press=methods(), compression_ratio=SUITE_RATIOS, head_budget=["uniform", "adaptive"])
+
+
+def default_options() -> BatchOptions:
+    """The suite's generation and engine settings unless told: short answers, configurations decoded together."""
+    return BatchOptions(max_new_tokens=32, batch_decode=True)
+
+
+SUITE_RATIOS = (0.5, 0.75, 0.9)
 HEADLINE_RATIOS = (0.75, 0.9)
 LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
 SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
@@ -35,12 +47,10 @@ class SuiteOptions:
     per_task: Optional[int] = None  # default: the size's
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
-    presses: tuple[str, ...] = field(default_factory=methods)
-    ratios: tuple[float, ...] = (0.5, 0.75, 0.9)
-    head_budgets: tuple[str, ...] = ("uniform", "adaptive")
-    prefills: tuple[str, ...] = ("whole",)  # "streaming" prefills each configuration on its own
-    max_new_tokens: int = 32
-    prefill_step_size: int = 512
+    # the press grid of the methods (streaming prefill runs each configuration's own prefill) and the
+    # generation and engine settings: the same models as every batch command's
+    grid: PressGrid = field(default_factory=default_grid)
+    options: BatchOptions = field(default_factory=default_options)
     threshold: float = 0.6
     all_tasks: bool = False  # run the methods on the cells that failed calibration too
     austen: Optional[str] = None
@@ -62,12 +72,14 @@ class SuiteOptions:
             raise ValueError(f"lengths: need at least one length of 256 tokens or more, got {self.lengths!r}")
         if self.per_task is not None and self.per_task < 1:
             raise ValueError(f"per_task must be >= 1, got {self.per_task!r}")
-        for name in ("summaries", "summary_tokens", "long_from", "max_new_tokens"):
+        for name in ("summaries", "summary_tokens", "long_from"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "summaries" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'summaries' else 1}, got {v!r}")
-        if "no_press" in self.presses:
-            raise ValueError("presses: no_press is the calibration reference and always runs; leave it out")
+        if REFERENCE_PRESS in self.grid.press:
+            raise ValueError("press: no_press is the calibration reference and always runs; leave it out")
+        if self.grid.budget:
+            raise ValueError("budget: the suite compares ratios across lengths; give --compression-ratio")
         if self.variants is not None:
             from pipeline.ablation import VARIANTS
 
@@ -80,13 +92,27 @@ class SuiteOptions:
     def out_dir(self) -> Path:
         return Path(self.out)
 
+    @property
+    def presses(self) -> tuple[str, ...]:
+        return tuple(self.grid.press)
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(self.grid.compression_ratio)
+
     def base(self) -> RunConfig:
-        return RunConfig(task="qa", model=self.model, max_new_tokens=self.max_new_tokens,
-                         prefill_step_size=self.prefill_step_size)
+        return RunConfig(task="qa", model=self.model, **self.options.generation())
 
     def summary_base(self) -> RunConfig:
-        return RunConfig(task="summarize", model=self.model, max_new_tokens=self.summary_tokens,
-                         prefill_step_size=self.prefill_step_size)
+        return RunConfig(task="summarize", model=self.model,
+                         **{**self.options.generation(), "max_new_tokens": self.summary_tokens})
+
+    def engine(self) -> EngineOptions:
+        """Every stage scores against no_press; calibration and the methods share one prefill per document
+        (the second pass loads the first's from OUT/prefills unless another cache folder is given)."""
+        engine = self.options.engine(evaluate=True)
+        return engine if engine.prefill_cache else engine.model_copy(
+            update={"prefill_cache": str(self.out_dir / PREFILLS_DIR)})
 
     def ablation_configs(self) -> dict[RunConfig, str]:
         """NestedKV's variants (each scale alone, no gate, ...) at the headline ratios: config -> variant name."""
@@ -101,13 +127,10 @@ class SuiteOptions:
         return {c: name for c, (name, _) in got.items() if not c.is_reference}
 
     def configs(self, base: Optional[RunConfig] = None) -> list[RunConfig]:
-        """Every method x ratio x head budget x prefill mode (questions; ``base``: another task's settings)."""
-        from pipeline.engine import make_configs
-
-        if not self.presses:
+        """Every combination of the grid (questions; ``base``: another task's settings)."""
+        if not self.grid.press:
             return []
-        return make_configs(base or self.base(), self.presses, self.ratios, head_budgets=self.head_budgets,
-                            prefills=self.prefills)
+        return self.grid.configs(base or self.base())
 
     def summary_documents(self, count) -> list[dict]:
         from pipeline.tasks import summary_documents

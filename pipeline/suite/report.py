@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
 from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SuiteOptions, SuiteResult
-from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired
+from pipeline.suite.scores import RECALL, _mean, bits_label, calibration, headline, label, paired
 from pipeline.tasks import TASKS, length_label
 
 COLOURS = {"nestedkv": "C3", "keydiff": "C0", "knorm": "C2", "streaming_llm": "C1", "random": "C7"}
@@ -57,7 +57,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
             calibrated = [s["value"] for s in ss if (s["task"], s["length"]) in ok]
             ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
             rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
-                          s0["compression_ratio"]),
+                          s0.get("kv_bits") or 16, s0["compression_ratio"]),
                          [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
                           "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2)]))
@@ -165,10 +165,11 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
             if name == "no_press":
                 ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], "k*", markersize=12, label="uncompressed")
                 continue
-            # colour: the method; line: the head budget; marker: the prefill mode
+            # colour: the method; line: the head budget; marker: the prefill mode, or the KV width
             press = name.split()[0]
+            marker = "s" if " streaming" in name else "v" if " 4-bit" in name else "^" if " 8-bit" in name else "o"
             ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], color=COLOURS.get(press, "C9"),
-                    linestyle="--" if " adaptive" in name else "-", marker="s" if name.endswith(" streaming") else "o",
+                    linestyle="--" if " adaptive" in name else "-", marker=marker,
                     linewidth=2.2 if press == "nestedkv" else 1.2, markersize=5, label=name)
         ax.set_title(f"{length_label(length)} tokens ({which})")
         ax.set_xlabel("resident KV cache per document (MiB)")
@@ -185,7 +186,8 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
 
 def headline_table(heads: Sequence[dict], a: str, b: str, digits: int) -> list[str]:
     return _table(["r", "head budget", "prefill", "questions", a, b, "better", "worse", "same", "mean diff +- SE"],
-                  [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"], h["prefill"], h["n"],
+                  [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
+                    h["prefill"] + bits_label(h.get("kv_bits")), h["n"],
                     _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
                     f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
 
@@ -208,7 +210,7 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     lines = [f"# Synthetic long-context suite: {opts.model}", "",
              f"{len(docs)} documents, {n_q} questions; tasks {', '.join(opts.tasks)}; lengths "
              f"{', '.join(length_label(n) for n in sorted({d['length'] for d in docs}))}; seed {opts.seed}; "
-             f"max_new_tokens {opts.max_new_tokens}. Accuracy = share of a question's gold parts in the answer "
+             f"max_new_tokens {opts.options.max_new_tokens}. Accuracy = share of a question's gold parts in the answer "
              "(RULER's string_match_all; `correct` for one-part questions).", ""]
     if stage_s:
         lines += ["Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in stage_s.items()), ""]

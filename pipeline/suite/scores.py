@@ -52,7 +52,12 @@ def label(row: dict) -> str:
     if row["press"] == "no_press":
         return "no_press"
     mode = " streaming" if row["prefill"] == "streaming" else ""
-    return f"{row['press']} {row['head_budget']}{mode}"
+    return f"{row['press']} {row['head_budget']}{mode}{bits_label(row.get('kv_bits'))}"
+
+
+def bits_label(kv_bits: Optional[int]) -> str:
+    """The label suffix of a quantized configuration (" 4-bit"); none for the model's own dtype."""
+    return f" {kv_bits}-bit" if kv_bits else ""
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -79,7 +84,7 @@ def paired(scores: Sequence[dict], a: dict, b: dict, cells: set, lower_is_better
 
     def pick(cfg):  # a dict of fields, or a config hash
         same = (lambda s: s["config_hash"] == cfg) if isinstance(cfg, str) else \
-            (lambda s: all(s[k] == v for k, v in cfg.items()))
+            (lambda s: all(s.get(k) == v for k, v in cfg.items()))
         return {(s["doc_id"], s["question_idx"]): s["value"] for s in scores if (s["task"], s["length"]) in cells
                 and same(s)}
 
@@ -102,14 +107,15 @@ def headline(scores: Sequence[dict], calib: Sequence[dict], ratios=HEADLINE_RATI
     lengths = sorted({c["length"] for c in calib})
     long = [n for n in lengths if n >= long_from] or lengths
     cells = {(c["task"], c["length"]) for c in calib if c["headline"] and c["length"] in long}
-    modes = sorted({(s["head_budget"], s["prefill"]) for s in scores if s["press"] == "nestedkv"})
+    modes = sorted({(s["head_budget"], s["prefill"], s.get("kv_bits") or 0) for s in scores
+                    if s["press"] == "nestedkv"})
     out = []
     for r in ratios:
-        for hb, pf in modes:
-            cfg = {"compression_ratio": r, "head_budget": hb, "prefill": pf}
+        for hb, pf, bits in modes:
+            cfg = {"compression_ratio": r, "head_budget": hb, "prefill": pf, "kv_bits": bits or None}
             p = paired(scores, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, cells, lower_is_better)
             if p["n"]:
-                out.append({"ratio": r, "head_budget": hb, "prefill": pf, **p})
+                out.append({"ratio": r, "head_budget": hb, "prefill": pf, "kv_bits": bits or None, **p})
     for r in ratios:  # the best NestedKV budget mode per ratio (by its own accuracy), marked
         rows = [h for h in out if h["ratio"] == r]
         if rows:
