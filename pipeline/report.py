@@ -28,6 +28,7 @@ def press_order() -> tuple[str, ...]:
     return (NoPress.name, *(n for n, cls in PRESSES.items() if cls is not NoPress))
 MARKDOWN_NAME = "report.md"
 PLOT_NAME = "quality_vs_ratio.png"
+FRONTIER_NAME = "quality_vs_memory.png"
 MARKERS = ("o", "o", "s", "^", "D", "v", "P", "X")
 
 COLUMNS = [  # (key, header, format)
@@ -45,6 +46,7 @@ COLUMNS = [  # (key, header, format)
     ("delta_gold_nll", "delta gold NLL", "{:+.3f}"),
     ("kept_share", "KV kept", "{:.3f}"),
     ("resident_share", "KV resident", "{:.3f}"),
+    ("resident_mib", "KV MiB/doc", "{:.2f}"),
 ]
 
 
@@ -55,6 +57,7 @@ class Report:
     markdown: str
     markdown_path: Optional[Path] = None
     plot_path: Optional[Path] = None
+    frontier_path: Optional[Path] = None
 
 
 def _order(row: dict) -> tuple:
@@ -75,6 +78,7 @@ def quality_rows(store: Store) -> list[dict]:
     for r in rows:
         r["kept_share"] = kept.get(r["config_hash"], {}).get("kept_share")
         r["resident_share"] = kept.get(r["config_hash"], {}).get("resident_share")
+        r["resident_mib"] = kept.get(r["config_hash"], {}).get("resident_mib")
         ref = full_acc.get(r["model"])
         r["accuracy_vs_full"] = r["accuracy"] / ref if ref and r["accuracy"] is not None else None
     return sorted(rows, key=_order)
@@ -138,7 +142,38 @@ def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
         f"- With {n_q} questions the standard error of an accuracy near 0.5 is about "
         f"{_se(0.5, n_q):.2f}; differences smaller than about twice that are within noise.",
         "",
+        *frontier_markdown(rows),
     ])
+
+
+def frontier(rows: list[dict]) -> list[dict]:
+    """The configurations no other beats for their memory: by resident MiB per document, each one more
+    accurate than every configuration holding as little or less (ties: the lower delta gold NLL, then the
+    smaller cache). Rows without accuracy or memory are left out."""
+    def key(r):
+        gold = r.get("delta_gold_nll")
+        return r["resident_mib"], -r["accuracy"], math.inf if gold is None else gold
+
+    pts = sorted((r for r in rows if r.get("accuracy") is not None and r.get("resident_mib") is not None), key=key)
+    out: list[dict] = []
+    for r in pts:
+        if not out or r["accuracy"] > out[-1]["accuracy"]:
+            out.append(r)
+    return out
+
+
+def frontier_markdown(rows: list[dict]) -> list[str]:
+    best = frontier(rows)
+    if not best:
+        return []
+    lines = ["## Which configuration at each memory size", "",
+             "Each row is the most accurate configuration within its resident KV memory per document: every "
+             "configuration not listed answers no better with as much memory or more (`quality_vs_memory.png`).",
+             "", "| KV MiB/doc | configuration | ratio | accuracy | delta gold NLL |", "|---:|---|---:|---:|---:|"]
+    for r in best:
+        lines.append(f"| {r['resident_mib']:.2f} | {_label(r)} | {_fmt(r['compression_ratio'], '{:.2f}')} | "
+                     f"{r['accuracy']:.3f} | {_fmt(r.get('delta_gold_nll'), '{:+.3f}')} |")
+    return lines + [""]
 
 
 def _se(p: float, n: int) -> float:
@@ -201,6 +236,52 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
     return path
 
 
+FRONTIER_PANELS = (("accuracy", "Answer accuracy (gold contained)", "accuracy"),
+                   ("delta_nll", "Delta NLL of the no_press answer", "nats / token vs full cache"),
+                   ("delta_gold_nll", "Delta gold NLL", "nats / token vs full cache"))
+
+
+def plot_frontier(rows: list[dict], path: Union[str, Path]) -> Optional[Path]:
+    """Accuracy, delta NLL and delta gold NLL against resident KV MiB per document: one line per method,
+    head budget and KV width through its ratios, the uncompressed runs as stars; None without memory rows."""
+    from matplotlib.figure import Figure
+
+    pts = [r for r in rows if r.get("resident_mib") and not r["budget"]]
+    if not pts:
+        return None
+    path = Path(path)
+    fig = Figure(figsize=(15, 4.8), layout="constrained")
+    axes = fig.subplots(1, len(FRONTIER_PANELS))
+    multi = len({r["model"] for r in rows}) > 1
+    lines: dict[str, list[dict]] = {}
+    for r in pts:
+        lines.setdefault(f"{r['model']}: {_label(r)}" if multi else _label(r), []).append(r)
+    order = press_order()
+    for name, group in lines.items():
+        group = sorted(group, key=lambda x: x["resident_mib"])
+        r0 = group[0]
+        rank = order.index(r0["press"]) if r0["press"] in order else len(order)
+        bits = r0.get("kv_bits")
+        style = {"color": "black" if r0["press"] == "no_press" else f"C{rank % 10}", "label": name,
+                 "marker": "*" if r0["press"] == "no_press" else {None: "o", 8: "^", 4: "v"}.get(bits, "s"),
+                 "markersize": 11 if r0["press"] == "no_press" else 6,
+                 "linestyle": {None: "-", 8: "--"}.get(bits, ":") if r0["press"] != "no_press" else "none",
+                 "linewidth": 2.2 if r0["press"] == "nestedkv" else 1.3,
+                 "alpha": 1.0 if r0["head_budget"] == "adaptive" or r0["press"] == "no_press" else 0.6}
+        xs = [g["resident_mib"] for g in group]
+        for ax, (key, _, _) in zip(axes, FRONTIER_PANELS):
+            ax.plot(xs, [_num(g.get(key)) for g in group], **style)
+    for ax, (_, title, ylabel) in zip(axes, FRONTIER_PANELS):
+        ax.set(title=title, xlabel="resident KV cache per document (MiB, log scale)", ylabel=ylabel, xscale="log")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylim(-0.02, 1.02)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def build_report(db: Union[str, Path]) -> Report:
     with Store(db, read_only=True) as store:
         rows = quality_rows(store)
@@ -215,4 +296,5 @@ def write_report(db: Union[str, Path], out: Union[str, Path]) -> Report:
     rep.markdown_path = out / MARKDOWN_NAME
     rep.markdown_path.write_text(rep.markdown)
     rep.plot_path = plot(rep.rows, out / PLOT_NAME)
+    rep.frontier_path = plot_frontier(rep.rows, out / FRONTIER_NAME)
     return rep

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from pipeline.config import RunConfig
-from pipeline.report import build_report, markdown_table, write_report
+from pipeline.report import build_report, frontier, markdown_table, write_report
 from pipeline.store import Store, StoreError
 from pipeline.engine import EngineOptions, make_configs, run
 
@@ -50,6 +50,8 @@ def test_report_table_rows_and_values(evaluated):
             assert r["resident_share"] == pytest.approx(r["kept_share"])
         else:
             assert r["resident_share"] >= r["kept_share"]
+        # resident MiB per document: the reference's bytes scaled by the resident share
+        assert r["resident_mib"] == pytest.approx(ref["resident_mib"] * r["resident_share"], rel=1e-6)
     # the markdown and the display table carry one line per configuration
     md = markdown_table(rep.rows)
     assert md.count("\n") == 1 + len(rep.rows)
@@ -66,6 +68,19 @@ def test_write_report_produces_markdown_and_png(evaluated, tmp_path):
     assert "| method | head budget | ratio |" in text and "| nestedkv | adaptive | 0.90 |" in text
     png = rep.plot_path.read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 10_000
+    assert rep.frontier_path == out / "quality_vs_memory.png" and rep.frontier_path.read_bytes()[:8] == PNG_MAGIC
+    assert "## Which configuration at each memory size" in text
+
+
+def test_frontier_keeps_what_no_smaller_cache_beats():
+    def row(name, mib, acc, gold=None):
+        return {"press": name, "head_budget": "uniform", "compression_ratio": 0.5, "resident_mib": mib,
+                "accuracy": acc, "delta_gold_nll": gold}
+
+    rows = [row("a", 10.0, 0.9), row("b", 2.0, 0.5), row("c", 3.0, 0.4), row("d", 2.0, 0.5, 0.1),
+            row("e", 2.0, 0.5, 0.05), row("f", 5.0, 0.9), row("g", 1.0, None), row("h", None, 1.0)]
+    # c is beaten by the smaller b/d/e; a by the smaller f; of three equal points, the lowest gold NLL
+    assert [r["press"] for r in frontier(rows)] == ["e", "f"]
 
 
 def test_latest_evaluation_wins_when_a_configuration_is_evaluated_twice(evaluated):

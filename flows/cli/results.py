@@ -55,15 +55,17 @@ def query(
 @app.command()
 def report(
     db: str = typer.Option("eval.duckdb", "--db", help="DuckDB file written by `nkv eval`"),
-    out: str = typer.Option("reports", "--out", help="folder for report.md and quality_vs_ratio.png"),
+    out: str = typer.Option("reports", "--out", help="folder for report.md, quality_vs_ratio.png and "
+                            "quality_vs_memory.png"),
 ):
-    """Quality against compression: a table per (method, head budget, ratio) and a plot."""
+    """Quality against compression: a table per (method, head budget, ratio, KV width), the configurations on
+    the quality-memory frontier, and two plots (against the ratio, against resident KV MiB)."""
     from pipeline.report import write_report
 
     with user_errors():
         rep = write_report(db, out)
     print_table(rep.table, title="quality against the uncompressed reference")
-    say(f"wrote {rep.markdown_path} and {rep.plot_path}")
+    say(f"wrote {rep.markdown_path} and {rep.plot_path}" + (f" and {rep.frontier_path}" if rep.frontier_path else ""))
 
 
 @app.command()

@@ -48,7 +48,8 @@ WITH docs AS (
                                ORDER BY r.created_at DESC, m.run_id DESC) = 1
 )
 SELECT config_hash, sum(kept_bytes) / nullif(sum(full_bytes), 0) AS kept_share,
-       sum(resident_bytes) / nullif(sum(full_bytes), 0) AS resident_share
+       sum(resident_bytes) / nullif(sum(full_bytes), 0) AS resident_share,
+       avg(resident_bytes) / 1048576.0 AS resident_mib
 FROM docs GROUP BY config_hash
 """
 
@@ -192,7 +193,8 @@ class Queries(Reads):
         return self.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
 
     def kept_by_config(self) -> list[dict]:
-        """KV kept and resident shares per evaluated configuration (``KEPT_SQL``)."""
+        """KV kept and resident shares, and resident MiB per document, per evaluated configuration
+        (``KEPT_SQL``)."""
         return self.query(KEPT_SQL).to_pylist()
 
     def evaluations_by_config(self) -> list[dict]:
