@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pipeline.config import REFERENCE_PRESS
+from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, REFERENCE_PRESS
 
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
 DEFAULT_EXPORT = ".peer"
@@ -357,9 +357,9 @@ def measure(a) -> dict:
 class PeerOptions:
     """What ``nkv bench peer`` runs: ``docs`` documents (with questions) from the start of ``input``."""
 
-    input: str = "data/eval_set.parquet"
+    input: str = EVAL_INPUT
     docs: int = 2
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     compression_ratio: float = 0.75
     max_new_tokens: int = 24
     peer_python: str = field(default_factory=lambda: os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.config import DEFAULT_MODEL, RunConfig
+from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, RunConfig
 
 
 def _tokens(runner, cache, ids: list[int]) -> list[int]:
@@ -110,7 +110,7 @@ def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
     return out
 
 
-def run(input: str = "data/eval_set.parquet", model: str = DEFAULT_MODEL, docs: int = 6, max_new_tokens: int = 24,
+def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_new_tokens: int = 24,
         speed_docs: int = 1, decode_tokens: int = 64, out: Optional[str] = None,
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
     """Both parts (``docs`` or ``speed_docs`` 0: that part skipped), each figure through ``log`` as it comes

@@ -22,6 +22,7 @@ PrefillMode = Literal["whole", "streaming"]
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_INPUT = "data/sample_batch.parquet"
 DEFAULT_DB = "runs.duckdb"
+EVAL_INPUT, EVAL_DB = "data/eval_set.parquet", "eval.duckdb"  # the bundled evaluation set; nkv eval's store
 REFERENCE_PRESS = "no_press"
 DEFAULT_HEAD_BUDGET = {"nestedkv": "adaptive"}
 INT32_MAX = 2**31 - 1  # the store's INTEGER columns

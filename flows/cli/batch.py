@@ -9,7 +9,8 @@ import typer
 
 from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, app, check_before_flow,
                               check_environment, check_input_early, exit_on_sigterm, fail, markup_safe, progress_bars,
-                              say, user_errors)
+                              say, spec_option, user_errors)
+from pipeline.config import EVAL_DB, EVAL_INPUT
 from flows.cli.spec import (batch_progress, build, exit_unless_done, print_input_errors, print_savings,
                             print_summary)
 from flows.options import generation_options, press_options
@@ -126,7 +127,7 @@ def serve(
     cron: str = typer.Option("0 2 * * *", "--cron", help="when to run, as a cron expression"),
     name: str = typer.Option("nightly", "--name", help="deployment name: <flow>/<name>"),
     input: str = InputOpt,
-    task: str = typer.Option("summarize", "--task", help="summarize (flow summarize-batch) or qa (qa-batch)"),
+    task: str = spec_option("task", help="summarize (flow summarize-batch) or qa (qa-batch)"),
     model: str = ModelOpt,
     db: str = DbOpt,
     data_path: Optional[str] = DataPathOpt,
@@ -179,9 +180,9 @@ def serve(
 @press_options(press=None, compression_ratio=_SWEPT["compression_ratio"])  # no --press: every compared press of the registry
 @generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
-    input: str = typer.Option("data/eval_set.parquet", "--input", help="Parquet file, glob or folder (with questions)"),
+    input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions)"),
     model: str = ModelOpt,
-    db: str = typer.Option("eval.duckdb", "--db", help="DuckDB file"),
+    db: str = spec_option("db", EVAL_DB),
     metric: Optional[list[str]] = typer.Option(None, "--metric", help="extra metric, repeatable: gold_kept"),
     press: dict = None,
     generation: dict = None,

@@ -6,7 +6,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from flows.cli.common import DbOpt, app, fail, out_console, print_result, print_table, say, user_errors
+from flows.cli.common import DbOpt, app, fail, out_console, print_result, print_table, say, spec_option, user_errors
+from pipeline.config import EVAL_DB
 from flows.output import plain
 from flows.query import QUERY_TIMEOUT_S
 
@@ -54,7 +55,7 @@ def query(
 
 @app.command()
 def report(
-    db: str = typer.Option("eval.duckdb", "--db", help="DuckDB file written by `nkv eval`"),
+    db: str = spec_option("db", EVAL_DB, "DuckDB file written by `nkv eval`"),
     out: str = typer.Option("reports", "--out", help="folder for report.md, quality_vs_ratio.png and "
                             "quality_vs_memory.png"),
 ):

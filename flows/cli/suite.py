@@ -8,11 +8,11 @@ from typing import Optional
 
 import typer
 
-from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, split_list,
-                              user_errors)
+from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, spec_option,
+                              split_list, user_errors)
 from flows.cli.spec import batch_progress, press_grid
 from flows.options import generation_options, press_options
-from pipeline.config import BatchOptions
+from pipeline.config import EVAL_INPUT, BatchOptions
 from pipeline.suite.options import SUITE_RATIOS, default_options
 
 # The suite's own defaults for the generated options; every other default is the settings'.
@@ -90,7 +90,7 @@ def tasks(
                                            "the size's)"),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated subset of the tasks (default: all)"),
     seed: int = typer.Option(0, "--seed"),
-    model: str = typer.Option("smollm2-135m", "--model", help="whose tokenizer counts the tokens"),
+    model: str = spec_option("model", help="whose tokenizer counts the tokens"),
     austen: Optional[Path] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
 ):
     """Only generate the suite's documents (RULER-style tasks on Austen's prose) as Parquet."""
@@ -114,10 +114,10 @@ def tasks(
 
 @app.command()
 def ablation(
-    input: str = typer.Option("data/eval_set.parquet", "--input"),
+    input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions)"),
     compression_ratio: str = typer.Option("0.75,0.9", "--compression-ratio"),
     variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated variants (default: all)"),
-    model: str = typer.Option("smollm2-135m", "--model"),
+    model: str = ModelOpt,
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N documents"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the table as markdown here"),
