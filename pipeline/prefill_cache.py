@@ -13,6 +13,7 @@ only files named like its own entries (``nkv-prefill-<sha256>.safetensors``), ne
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -112,7 +113,7 @@ class PrefillCache:
         """Store ``cache`` (written to a temporary file, then renamed: readers never see half a file)."""
         from mlx_lm.models.cache import save_prompt_cache
 
-        (self.folder / PARTIAL).mkdir(exist_ok=True)
+        (self.folder / PARTIAL).mkdir(parents=True, exist_ok=True)  # the folder too, if removed since
         fd, tmp = tempfile.mkstemp(dir=self.folder / PARTIAL, suffix=SUFFIX)
         os.close(fd)
         try:
@@ -138,3 +139,10 @@ class PrefillCache:
                 break
             total -= size
             p.unlink(missing_ok=True)
+
+
+@functools.lru_cache(maxsize=8)
+def open_cache(folder: str, max_gb: float) -> PrefillCache:
+    """The process's one ``PrefillCache`` per folder and cap: the folder is checked, and each model's files
+    looked at, once per batch rather than once per document."""
+    return PrefillCache(folder, max_gb)

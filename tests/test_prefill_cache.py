@@ -44,6 +44,24 @@ def test_a_new_budget_reuses_the_prefill_and_answers_the_same(setup):
     assert got == want and all(r["output"] is not None for r in got)
 
 
+def test_a_batch_opens_its_prefill_cache_once_and_survives_its_removal(setup, monkeypatch):
+    import shutil
+
+    from pipeline import prefill_cache
+
+    tmp, base, batch, prefills = setup
+    prefill_cache.open_cache.cache_clear()
+    opened = []
+    real = PrefillCache.__init__
+    monkeypatch.setattr(PrefillCache, "__init__", lambda self, *a: (opened.append(a), real(self, *a))[1])
+    cached = EngineOptions(prefill_cache=str(tmp / "pc"))
+    engine.run(batch, make_configs(base, ["keydiff"], [0.5]), tmp / "a.duckdb", cached)
+    assert len(opened) == 1 and len(prefills) == 2  # two documents, one folder check and model look-up
+    shutil.rmtree(tmp / "pc")  # removed between batches of one process: recreated, not an error
+    summary = engine.run(batch, make_configs(base, ["knorm"], [0.5]), tmp / "a.duckdb", cached)
+    assert summary.n_ok == 2 and len(prefills) == 4 and len(list((tmp / "pc").glob("nkv-prefill-*"))) == 2
+
+
 def test_a_damaged_entry_is_recomputed_with_a_warning(setup, caplog):
     tmp, base, batch, prefills = setup
     cached = EngineOptions(prefill_cache=str(tmp / "pc"))

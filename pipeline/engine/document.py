@@ -189,9 +189,9 @@ def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, 
 
     if not options.prefill_cache:
         return runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
-    from pipeline.prefill_cache import PrefillCache
+    from pipeline.prefill_cache import open_cache
 
-    store = PrefillCache(options.prefill_cache, options.prefill_cache_gb)
+    store = open_cache(options.prefill_cache, options.prefill_cache_gb)
     n = len(prepared.context_ids)
     key = store.key(runner.config.model, prepared.context_ids, runner.config.prefill_step_size)
     t0 = time.perf_counter()
