@@ -38,6 +38,9 @@ GOOD = ("doc-0", "doc-1")  # the good documents of every batch below
 RUN = ["run", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}", "--max-new-tokens", "2"]
 
 
+SUITE = ["suite", "--model", TINY_NAME, "--db", "{db}", "--out", "{tmp}/rep", "--lengths", "768", "--tasks", "two_hop"]
+
+
 def run_with(*extra: str) -> list[str]:
     return RUN + list(extra)
 
@@ -552,6 +555,12 @@ CASES = [
           "--shard-size must be at least 1, got -3", check=no_file("meta.db")),
     error("pool-on-a-duckdb-file", run_with("--pool", "p", "--shards", "2"), "--pool needs a lake store"),
     error("serve-shards-without-pool", ["serve", "--shards", "2", "--db", "{db}"], "give --pool NAME"),
+    # nkv suite takes the batch commands' press grid: what it cannot run is one line before any document is made
+    error("suite-kv-group-the-model-cannot-take", SUITE + ["--kv-bits", "8"], "--kv-group-size", "head dimension 16",
+          check=no_file("rep")),
+    error("suite-budget", SUITE + ["--budget", "64"], "budget: the suite compares ratios", check=no_file("rep")),
+    error("suite-no_press-in-the-grid", SUITE + ["--press", "no_press,keydiff"], "no_press is the calibration",
+          check=no_file("rep")),
 
     # ---- the environment: one line naming the variable and the fix, before anything is created
     error("env-tmpdir-unwritable", RUN, "TMPDIR=", "point TMPDIR at a writable folder",
