@@ -10,11 +10,11 @@ import typer
 from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, app, check_before_flow,
                               check_environment, check_input_early, exit_on_sigterm, fail, markup_safe, progress_bars,
                               say, spec_option, user_errors)
-from pipeline.config import EVAL_DB, EVAL_INPUT
 from flows.cli.spec import (batch_progress, build, exit_unless_done, print_input_errors, print_savings,
                             print_summary)
 from flows.options import generation_options, press_options
 from flows.params import SWEEP
+from pipeline.config import EVAL_DB, EVAL_INPUT
 
 _SWEPT = {"press": ",".join(SWEEP.defaults["presses"]),  # the budget-sweep flow's defaults, as CLI lists
           "compression_ratio": ",".join(map(str, SWEEP.defaults["compression_ratios"]))}

@@ -7,9 +7,9 @@ from rich.table import Table
 from rich.text import Text
 
 from flows.cli.common import DbOpt, app, fail, out_console, print_result, print_table, say, spec_option, user_errors
-from pipeline.config import EVAL_DB
 from flows.output import plain
 from flows.query import QUERY_TIMEOUT_S
+from pipeline.config import EVAL_DB
 
 def run_query(store, sql: str, fmt: str, timeout: float) -> None:
     """Write the query's batches here as they come (``flows.query``); Ctrl-C or ``timeout`` stop it. A table

@@ -64,8 +64,8 @@ def suite(
             lengths=tuple(split_list(lengths, int, "--lengths")) or None,
             tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
             grid=PressGrid(**press_grid(press)), options=BatchOptions(**generation), threshold=threshold,
-            all_tasks=all_tasks, ablation=ablation, variants=tuple(split_list(variants, str, "--variants")) if variants else None, summaries=summaries,
-            long_from=long_from, austen=austen)
+            all_tasks=all_tasks, ablation=ablation, summaries=summaries, long_from=long_from, austen=austen,
+            variants=tuple(split_list(variants, str, "--variants")) if variants else None)
         configs = opts.configs()  # validate the press options before any work
     except ValueError as exc:
         invalid(exc)

@@ -97,7 +97,8 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
         t0 = time.perf_counter()
         configs = opts.configs(opts.summary_base())
         log(f"summaries: {len(configs)} configurations on {len(summaries)} documents")
-        run(str(write(summaries, out / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None, wait_s=wait_s)
+        run(str(write(summaries, out / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None,
+            wait_s=wait_s)
         stage["summaries"] = time.perf_counter() - t0
     with Store(opts.db) as store:
         score(store)
