@@ -36,11 +36,8 @@ import numpy as np
 
 from pipeline.results import TOO_LONG
 
-CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
-GOLD_KEPT, GOLD_NLL, DELTA_GOLD_NLL = "gold_kept", "gold_nll", "delta_gold_nll"
-METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_NLL, DELTA_GOLD_NLL)
-GOLD_METRICS = (CORRECT, GOLD_KEPT, GOLD_NLL)  # scored against gold: reference_run_id is NULL
-REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # scored against the no_press run
+from pipeline.metrics import (AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
+                              GOLD_NLL, METRICS, REFERENCE_METRICS, ROUGE_L, TOP1)
 
 QuestionScores = dict  # metric name -> value, for one question
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Iterable, Optional, Sequence
 
 from pipeline.config import RunConfig
-from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
+from pipeline.metrics import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
 from pipeline.results import OK
 from pipeline.store import lake
 from pipeline.store.reads import Reads
@@ -74,12 +74,12 @@ GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
 """
 
-SUMMARY_SQL = """
+SUMMARY_SQL = f"""
 SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, e.doc_id, e.metric,
        e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
-WHERE e.metric IN ('rouge_l', 'delta_nll') AND r.config_hash IN (SELECT unnest($hashes))
+WHERE e.metric IN ('{ROUGE_L}', '{DELTA_NLL}') AND r.config_hash IN (SELECT unnest($hashes))
     AND o.content_sha256 IN (SELECT unnest($docs))
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.metric ORDER BY r.created_at DESC, r.run_id DESC) = 1
 """

@@ -1,0 +1,8 @@
+"""The names of the evaluation metrics, as stored in ``evaluations.metric``: one definition for the code that
+computes them (``pipeline.evaluate``) and the store's queries and views, which read them."""
+
+CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1 = "correct", "agree_exact", "rouge_l", "delta_nll", "top1_agreement"
+GOLD_KEPT, GOLD_NLL, DELTA_GOLD_NLL = "gold_kept", "gold_nll", "delta_gold_nll"
+METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_NLL, DELTA_GOLD_NLL)
+GOLD_METRICS = (CORRECT, GOLD_KEPT, GOLD_NLL)  # scored against gold: reference_run_id is NULL
+REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # scored against the no_press run
