@@ -74,6 +74,14 @@ GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
 """
 
+# A document answered under configuration $h: per run, every one of its output rows ok.
+ANSWERED_SQL = f"""
+SELECT o.run_id, o.doc_id, o.content_sha256, any_value(r.created_at) AS created_at
+FROM outputs o JOIN runs r ON r.run_id = o.run_id
+WHERE r.config_hash = $h
+GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = '{OK}')
+"""
+
 SUMMARY_SQL = f"""
 SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, e.doc_id, e.metric,
        e.value
@@ -90,16 +98,8 @@ class Queries(Reads):
     def done_documents(self, config: RunConfig) -> set[tuple[str, str]]:
         """(doc_id, content_sha256) of documents answered ok (every question) under this exact configuration,
         in any run. Resume skips by this pair: the same text under a new doc_id still gets its own rows."""
-        with self._session():
-            rows = self._read(lambda: self.con.execute(
-                """
-                SELECT DISTINCT o.doc_id, o.content_sha256 FROM outputs o JOIN runs r ON r.run_id = o.run_id
-                WHERE r.config_hash = ?
-                GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = ?)
-                """,
-                [config.config_hash(), OK],
-            ).fetchall())
-        return {(d, h) for d, h in rows}
+        rows = self.query(f"SELECT DISTINCT doc_id, content_sha256 FROM ({ANSWERED_SQL})", {"h": config.config_hash()})
+        return set(zip(rows.column("doc_id").to_pylist(), rows.column("content_sha256").to_pylist()))
 
     def evaluated_documents(self, config: RunConfig) -> list[dict]:
         """Per run and document with ok answers under ``config``: ``scored`` (it has evaluation rows) and
@@ -117,17 +117,8 @@ class Queries(Reads):
 
     def latest_ok_runs(self, config: RunConfig) -> dict[str, str]:
         """content sha256 -> the latest run holding ok answers for it under ``config``."""
-        rows = self.query(
-            """
-            SELECT content_sha256, arg_max(run_id, created_at) AS run_id FROM (
-                SELECT o.content_sha256, o.run_id, any_value(r.created_at) AS created_at
-                FROM outputs o JOIN runs r ON r.run_id = o.run_id
-                WHERE r.config_hash = $h
-                GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = 'ok')
-            ) GROUP BY content_sha256
-            """,
-            {"h": config.config_hash()},
-        ).to_pylist()
+        rows = self.query(f"SELECT content_sha256, arg_max(run_id, created_at) AS run_id FROM ({ANSWERED_SQL}) "
+                          "GROUP BY content_sha256", {"h": config.config_hash()}).to_pylist()
         return {r["content_sha256"]: r["run_id"] for r in rows}
 
     def input_error_count(self, config: RunConfig, input: str) -> int:
