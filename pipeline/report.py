@@ -245,6 +245,7 @@ def plot_frontier(rows: list[dict], path: Union[str, Path]) -> Optional[Path]:
     """Accuracy, delta NLL and delta gold NLL against resident KV MiB per document: one line per method,
     head budget and KV width through its ratios, the uncompressed runs as stars; None without memory rows."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     pts = [r for r in rows if r.get("resident_mib") and not r["budget"]]
     if not pts:
@@ -262,17 +263,21 @@ def plot_frontier(rows: list[dict], path: Union[str, Path]) -> Optional[Path]:
         r0 = group[0]
         rank = order.index(r0["press"]) if r0["press"] in order else len(order)
         bits = r0.get("kv_bits")
-        style = {"color": "black" if r0["press"] == "no_press" else f"C{rank % 10}", "label": name,
-                 "marker": "*" if r0["press"] == "no_press" else {None: "o", 8: "^", 4: "v"}.get(bits, "s"),
-                 "markersize": 11 if r0["press"] == "no_press" else 6,
-                 "linestyle": {None: "-", 8: "--"}.get(bits, ":") if r0["press"] != "no_press" else "none",
+        ref = r0["press"] == "no_press"
+        style = {"color": "black" if ref else f"C{rank % 10}", "label": name,
+                 "marker": ({None: "*", 8: "P"} if ref else {None: "o", 8: "^"}).get(bits, "X" if ref else "v"),
+                 "markersize": 11 if ref else 6,
+                 "linestyle": "none" if ref else {None: "-", 8: "--"}.get(bits, ":"),
                  "linewidth": 2.2 if r0["press"] == "nestedkv" else 1.3,
-                 "alpha": 1.0 if r0["head_budget"] == "adaptive" or r0["press"] == "no_press" else 0.6}
+                 "alpha": 1.0 if ref or r0["head_budget"] == "adaptive" else 0.6}
         xs = [g["resident_mib"] for g in group]
         for ax, (key, _, _) in zip(axes, FRONTIER_PANELS):
             ax.plot(xs, [_num(g.get(key)) for g in group], **style)
     for ax, (_, title, ylabel) in zip(axes, FRONTIER_PANELS):
         ax.set(title=title, xlabel="resident KV cache per document (MiB, log scale)", ylabel=ylabel, xscale="log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, ... as plain numbers
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, alpha=0.3)
     axes[0].set_ylim(-0.02, 1.02)
     handles, labels = axes[0].get_legend_handles_labels()
