@@ -57,7 +57,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
             calibrated = [s["value"] for s in ss if (s["task"], s["length"]) in ok]
             ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
             rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
-                          s0.get("kv_bits") or 16, s0["compression_ratio"]),
+                          -(s0.get("kv_bits") or 16), s0["compression_ratio"]),  # 16 bits first
                          [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
                           "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2)]))
