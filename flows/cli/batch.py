@@ -10,8 +10,8 @@ import typer
 from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, app, check_before_flow,
                               check_environment, check_input_early, exit_on_sigterm, fail, markup_safe, progress_bars,
                               say, spec_option, user_errors)
-from flows.cli.spec import (batch_progress, build, exit_unless_done, print_input_errors, print_savings,
-                            print_summary)
+from flows.cli.spec import (batch_progress, build, compared_by_default, exit_unless_done, print_input_errors,
+                            print_savings, print_summary)
 from flows.options import generation_options, press_options
 from flows.params import SWEEP
 from pipeline.config import EVAL_DB, EVAL_INPUT
@@ -104,7 +104,8 @@ def run_pool(spec, data_path, pool, shards, shard_size) -> None:
 @press_options(**_SWEPT)
 @generation_options()
 def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
-          evaluate: bool = typer.Option(SWEEP.defaults["evaluate"], "--evaluate/--no-evaluate", help="score each configuration against no_press"),
+          evaluate: bool = typer.Option(SWEEP.defaults["evaluate"], "--evaluate/--no-evaluate",
+                                        help="score each configuration against no_press"),
           press: dict = None, generation: dict = None):
     """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
     spec = build(press, generation, input=input, task=task, model=model, db=db, reference=True, evaluate=evaluate)
@@ -189,12 +190,9 @@ def eval_(
 ):
     """Answer quality against the uncompressed model: per document one prefill, then every configuration
     (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
-    from nestedkv.press import compared_methods
     from pipeline.engine import run_spec
 
-    if press["press"] is None:
-        press = {**press, "press": ",".join(compared_methods())}
-    spec = build(press, generation, input=input, task="qa", model=model, db=db, evaluate=True,
+    spec = build(compared_by_default(press), generation, input=input, task="qa", model=model, db=db, evaluate=True,
                  metrics=tuple(metric or ()))
     check_environment(prefect=False)
     check_before_flow(spec)

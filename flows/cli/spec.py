@@ -32,6 +32,15 @@ def press_grid(press: dict) -> dict:
     return grid
 
 
+def compared_by_default(press: dict) -> dict:
+    """The press options with no ``--press`` given: every press the registry marks as compared."""
+    if press["press"] is not None:
+        return press
+    from nestedkv.press import compared_methods
+
+    return {**press, "press": ",".join(compared_methods())}
+
+
 def build(press: dict, generation: dict, **spec) -> BatchSpec:
     """The batch spec of a command: its press and generation options, and ``spec`` (input, task, model,
     db, reference, evaluate, metrics). Its configurations are expanded here, so bad input fails now."""

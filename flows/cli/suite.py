@@ -10,7 +10,7 @@ import typer
 
 from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, spec_option,
                               split_list, user_errors)
-from flows.cli.spec import batch_progress, press_grid
+from flows.cli.spec import batch_progress, compared_by_default, press_grid
 from flows.options import generation_options, press_options
 from pipeline.config import EVAL_INPUT, BatchOptions
 from pipeline.suite.options import SUITE_RATIOS, default_options
@@ -56,8 +56,7 @@ def suite(
     from pipeline.spec import PressGrid
     from pipeline.tasks import TASKS
 
-    if press["press"] is None:
-        press = {**press, "press": ",".join(suite_mod.methods())}
+    press = compared_by_default(press)
     try:
         opts = suite_mod.SuiteOptions(
             model=model, db=db, out=out, size=size, per_task=per_task, seed=seed,
