@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
 from nestedkv import _cpu, _routing
+from nestedkv import buffers as buf
 
 _sdpa = mlx_base.scaled_dot_product_attention
 NAME = "scaled_dot_product_attention"  # the global name mlx-lm's attention layers call it by
@@ -164,6 +165,8 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that understands NestedKV's ragged layouts."""
     quantized = hasattr(cache, "bits")
+    if quantized and getattr(cache, "hadamard", False):
+        queries = buf.hadamard(queries)  # the stored keys are rotated: rotated queries give the same scores
     # Per-head rows come as a list of each head's keys; a quantized cache's keys are one (packed, scales,
     # biases) group, which mlx-lm's QuantizedKVCache may hand over as a list too.
     if isinstance(keys, list) and (not quantized or isinstance(keys[0], (list, tuple))):
@@ -209,11 +212,12 @@ def calling_model(skip: int = 2):
     return None
 
 
-def check_caller_routed() -> None:
-    """Raise if the layer calling ``update_and_fetch`` is about to give ragged rows to mlx-lm's attention,
-    which would attend the padding (or fail on per-head lists)."""
+def check_caller_routed(holds: str) -> None:
+    """Raise if the layer calling ``update_and_fetch`` is about to give rows only ``attention`` reads right
+    (ragged ones, whose padding it would attend; rotated keys, which it would score unrotated queries against)
+    to mlx-lm's attention."""
     if sys._getframe(2).f_globals.get(NAME) is _sdpa:
         raise RuntimeError(
-            "this NestedKVCache holds per-head rows (adaptive head budgets or nestedkv.stack) but the model "
-            "calling it uses mlx-lm's attention: route it first with nestedkv.install_attention_hook(model)"
+            f"this NestedKVCache {holds} but the model calling it uses mlx-lm's attention: route it first "
+            "with nestedkv.install_attention_hook(model)"
         )

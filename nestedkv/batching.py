@@ -26,9 +26,10 @@ def stack(caches: Sequence[list]) -> list:
     for layer in zip(*caches):
         if not all(c.compressed for c in layer):
             raise ValueError("stack needs compressed caches (compress each before decoding them together)")
-        quant = {(c.bits, c.group_size) if c.quantized else None for c in layer}
+        quant = {c.quant for c in layer}
         if len(quant) > 1:
-            raise ValueError(f"stack needs caches quantized alike (kv_bits, kv_group_size); got {sorted(map(str, quant))}")
+            raise ValueError(f"stack needs caches quantized alike (kv_bits, kv_group_size, kv_hadamard); got "
+                             f"{sorted(map(str, quant))}")
         rows = max(c.n_ctx_rows + c.appended for c in layer)
         ks, vs, valid = [], [], []
         for c in layer:
@@ -44,8 +45,7 @@ def stack(caches: Sequence[list]) -> list:
         offsets = [c.offset for c in layer]
         s = NestedKVCache(NoPress())
         s.layout = Dense(buf.cat(ks, axis=0), buf.cat(vs, axis=0), mx.concatenate(valid, axis=0))
-        if quant != {None}:
-            s.bits, s.group_size = next(iter(quant))
+        s.set_quant(next(iter(quant)))
         s.kept = mx.concatenate([c.kept for c in layer], axis=0)
         s.offset = offsets[0] if len(set(offsets)) == 1 else mx.array(offsets, dtype=mx.int32)
         s.context_len, s.n_ctx_rows = max(c.context_len for c in layer), rows
@@ -71,8 +71,7 @@ def take(stacked: list, rows: Sequence[int]) -> list:
         s = NestedKVCache(NoPress())
         s.layout = Dense(*(buf.map_parts(lambda x: x[idx], b) for b in (c.keys, c.values)), c.valid[idx])
         s.kept = c.kept[idx]
-        if c.quantized:
-            s.bits, s.group_size = c.bits, c.group_size
+        s.set_quant(c.quant)
         s.offset = c.offset if isinstance(c.offset, int) else c.offset[idx]
         s.context_len, s.n_ctx_rows, s.stored = c.context_len, c.n_ctx_rows, c.stored
         s._note_peak()

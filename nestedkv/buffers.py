@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -71,3 +72,25 @@ def check_divides(group_size: int, head_dim: int) -> None:
         fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
         raise ValueError(f"kv_group_size={group_size} must divide the model's head dimension {head_dim}; "
                          f"{'choose ' + ' or '.join(fits) if fits else 'this model cannot be KV-quantized'}")
+
+
+# mx.hadamard_transform's sizes, m * 2**k; for other sizes it returns a matrix that is not orthogonal (or
+# corrupts memory) instead of raising, so every size is checked here first.
+HADAMARD_BASES = (1, 12, 20, 28)
+
+
+def hadamard_fits(head_dim: int) -> bool:
+    return any(head_dim % m == 0 and (head_dim // m) & (head_dim // m - 1) == 0 for m in HADAMARD_BASES)
+
+
+def check_hadamard(head_dim: int) -> None:
+    if not hadamard_fits(head_dim):
+        raise ValueError(f"kv_hadamard needs a head dimension of 2**k, or 12, 20 or 28 times one; this model's is "
+                         f"{head_dim}: quantize without the rotation (kv_hadamard=False, --kv-hadamard false)")
+
+
+def hadamard(x: mx.array) -> mx.array:
+    """``x`` rotated along its last axis by the orthonormal Hadamard matrix: dot products between rotated
+    vectors are unchanged, and a key's few large channels are spread over all of them, so its quantization
+    groups hold no outlier (QuaRot, arXiv:2404.00456)."""
+    return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from nestedkv.attention import install_attention_hook  # noqa: F401  (kept importable from here)
 from nestedkv.batching import stack, take  # noqa: F401  (public here)
-from nestedkv.buffers import check_divides
+from nestedkv.buffers import check_divides, check_hadamard
 from nestedkv.kvcache import NestedKVCache, check_context_len, route
 from nestedkv.press import BasePress
 from nestedkv.rope import model_rope
@@ -47,8 +47,12 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
                 f"layer {i} uses {type(c).__name__}; NestedKV compresses only full-attention KVCache layers"
             )
     if press is not None and press.kv_bits is not None:
-        check_group_size(model, press.kv_group_size)
-    route(model, required=press is not None and press.head_budget == "adaptive")
+        check_group_size(model, press.kv_group_size, press.kv_hadamard)
+    rotated = press is not None and press.kv_bits is not None and press.kv_hadamard
+    if not route(model, required=press is not None and press.head_budget == "adaptive") and rotated:
+        raise ValueError(f"kv_hadamard needs a model whose attention calls mlx-lm's scaled_dot_product_attention "
+                         f"(the queries are rotated there); {type(model).__module__} does not: quantize "
+                         "with kv_hadamard=False")
     return _bind([NestedKVCache(press, context_len) for _ in defaults], model, press)
 
 
@@ -69,12 +73,15 @@ def _bind(cache: list, model, press: Optional[BasePress]) -> list:
     return cache
 
 
-def check_group_size(model, group_size: int) -> None:
-    """Quantized KV needs the group size to divide the head dimension: say so before any prefill."""
+def check_group_size(model, group_size: int, hadamard: bool = False) -> None:
+    """Quantized KV needs the group size to divide the head dimension (and the rotation a size it has):
+    say so before any prefill."""
     args = getattr(model, "args", None)
     d = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1)))
     if d:
         check_divides(group_size, d)
+        if hadamard:
+            check_hadamard(d)
 
 
 def _check_cache(cache) -> None:

@@ -84,8 +84,6 @@ class NestedKVCache(KVCache):
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys, values):
-        if self.layout.padded_heads:
-            _attention.check_caller_routed()  # mlx-lm's attention would attend the padding
         n_new = keys.shape[2]
         if not self.compressed:
             if n_new == 1 and self._saw_prefill:
@@ -93,10 +91,14 @@ class NestedKVCache(KVCache):
                 self.compress()
             elif n_new > 1:
                 self._saw_prefill = True
+        if self.layout.padded_heads:
+            _attention.check_caller_routed("holds per-head rows (adaptive head budgets or nestedkv.stack)")
+        elif self.quantized and self.hadamard:
+            _attention.check_caller_routed("holds keys quantized after a Hadamard rotation (kv_hadamard)")
         if not self.compressed and self.press.prefill == "streaming":
             self._stream_step(keys)
         if self.quantized:  # after the compress above: new rows join the kept ones quantized
-            keys, values = self._quantize(keys), self._quantize(values)
+            keys, values = self._quantize(keys, rotate=self.hadamard), self._quantize(values)
         self.layout.append(keys, values, self.stored, self.n_ctx_rows, self.step)
         self.stored += n_new
         self.offset += n_new
@@ -152,15 +154,28 @@ class NestedKVCache(KVCache):
         # ``bits`` exists only once quantized: mlx-lm's attention dispatches on hasattr(cache, "bits").
         return "bits" in vars(self)
 
-    def _quantize(self, x: mx.array) -> tuple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+    @property
+    def quant(self) -> Optional[tuple]:
+        """(bits, group_size, hadamard) once quantized, else None."""
+        return (self.bits, self.group_size, self.hadamard) if self.quantized else None
+
+    def set_quant(self, quant: Optional[tuple]) -> None:
+        vars(self).pop("bits", None)
+        if quant is not None:
+            self.bits, self.group_size, self.hadamard = quant
+
+    def _quantize(self, x: mx.array, rotate: bool = False) -> tuple:
+        return tuple(mx.quantize(buf.hadamard(x) if rotate else x, group_size=self.group_size, bits=self.bits))
 
     def _quantize_rows(self) -> None:
         """Quantize the rows compression kept, once (they were scored before, on the real keys); rows appended
         later have the same head dimension, so the group size is checked here only."""
-        self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
-        check_divides(self.group_size, self.layout.buffers()[0].shape[-1])
-        self.layout.quantize(self._quantize, self.stored)
+        head_dim = self.layout.buffers()[0].shape[-1]
+        check_divides(self.press.kv_group_size, head_dim)
+        if self.press.kv_hadamard:
+            buf.check_hadamard(head_dim)
+        self.set_quant((self.press.kv_bits, self.press.kv_group_size, self.press.kv_hadamard))
+        self.layout.quantize(lambda x: self._quantize(x, rotate=self.hadamard), self._quantize, self.stored)
         mx.eval(self.layout.buffers())  # so the unquantized buffers are freed
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -222,10 +237,10 @@ class NestedKVCache(KVCache):
         self.context_len = None if int(context_len) < 0 else int(context_len)
         self._saw_prefill = bool(saw)
         self.press = BasePress.from_json(press_json)
-        vars(self).pop("bits", None)
+        self.set_quant(None)
         if self.compressed and self.press.kv_bits is not None:
             # save_prompt_cache stores tuples as lists; lists of arrays mean per-head rows to the attention
-            self.bits, self.group_size = self.press.kv_bits, self.press.kv_group_size
+            self.set_quant((self.press.kv_bits, self.press.kv_group_size, self.press.kv_hadamard))
             keys, values = buf.as_tuple(keys), buf.as_tuple(values)
             hk, hv = (None, None) if hk is None else ([tuple(h) for h in hk], [tuple(h) for h in hv])
         self.planned_len = None if planned is None or int(planned) < 0 else int(planned)
@@ -386,8 +401,9 @@ class NestedKVCache(KVCache):
 mlx_cache.NestedKVCache = NestedKVCache
 
 
-def route(model, required: bool) -> None:
-    # Adaptive budgets need the attention hook; elsewhere it only serves the CPU fast path, so a model without
-    # it runs as is.
-    install_attention_hook(model, required=required)
+def route(model, required: bool) -> bool:
+    """Whether the model's attention is routed. Adaptive budgets need the attention hook; elsewhere it serves
+    the CPU fast path and rotated quantized keys, so a model without it runs as is."""
+    routed = install_attention_hook(model, required=required)
     install_swiglu_hook(model)
+    return routed

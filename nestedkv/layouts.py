@@ -80,8 +80,8 @@ class Dense:
         counts = [int(x) for x in valid.sum(axis=1)]
         return PerHead(flat_k, flat_v, counts, list(counts))
 
-    def quantize(self, q, stored: int) -> None:
-        self.keys, self.values = q(self.keys[..., :stored, :]), q(self.values[..., :stored, :])
+    def quantize(self, qk, qv, stored: int) -> None:
+        self.keys, self.values = qk(self.keys[..., :stored, :]), qv(self.values[..., :stored, :])
 
     def buffers(self) -> tuple:
         return self.keys, self.values
@@ -168,8 +168,8 @@ class PerHead:
     def extend_context(self, tail: int, stored: int) -> None:
         self.head_rows = [r + tail for r in self.head_rows]
 
-    def quantize(self, q, stored: int) -> None:
-        self.flat_keys, self.flat_values = q(self.flat_keys), q(self.flat_values)
+    def quantize(self, qk, qv, stored: int) -> None:
+        self.flat_keys, self.flat_values = qk(self.flat_keys), qv(self.flat_values)
 
     def buffers(self) -> tuple:
         return self.flat_keys, self.flat_values

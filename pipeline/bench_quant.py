@@ -9,6 +9,10 @@
 2. For ``--speed-docs`` documents: compression time (scoring, selection and quantization) and decode tokens/s,
    NestedKV at r = 0.75 and the uncompressed cache, each at 16 (the model's dtype), 8 and 4 bits, decoding
    ``--decode-tokens`` greedy tokens after the first question (EOS ignored, so every row decodes as many).
+3. For ``--error-docs`` documents of the sample batch (not the evaluation set): how much each quantizer moves the
+   model's loss. The last ``CONTINUATION`` tokens of each text are scored teacher-forced from the rest's cache,
+   quantized (r = 0) at 8 and 4 bits, keys rotated or not (``kv_hadamard``); the figure is the mean increase
+   in negative log-likelihood per token over the unquantized cache.
 Accuracy and resident bytes come from ``nkv eval`` with ``--kv-bits`` (see the README).
 """
 
@@ -19,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, RunConfig
+from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL, EVAL_INPUT, RunConfig
+
+CONTINUATION = 128  # tokens scored per document by the error figure
 
 
 def _tokens(runner, cache, ids: list[int]) -> list[int]:
@@ -35,8 +41,9 @@ def _tokens(runner, cache, ids: list[int]) -> list[int]:
     return out
 
 
-def compare_with_mlx_lm(runner, docs) -> dict:
-    """Our 8-bit r = 0 answers against mlx-lm's QuantizedKVCache, question by question."""
+def compare_with_mlx_lm(runner, docs, hadamard: bool = False) -> dict:
+    """Our 8-bit r = 0 answers against mlx-lm's QuantizedKVCache, question by question (``hadamard``: ours with
+    rotated keys, which mlx-lm does not have)."""
     from mlx_lm.models.cache import KVCache
 
     import nestedkv
@@ -47,7 +54,7 @@ def compare_with_mlx_lm(runner, docs) -> dict:
     for doc in docs:
         prepared = runner.prepare(doc)
         res = DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)
-        ours = runner.prefill(prepared, res, press=nestedkv.NoPress(kv_bits=8))
+        ours = runner.prefill(prepared, res, press=nestedkv.NoPress(kv_bits=8, kv_hadamard=hadamard))
         nestedkv.compress(ours)
         ref = [KVCache() for _ in runner.model.layers]
         prefill(runner.model, ref, prepared.context_ids, runner.config.prefill_step_size)
@@ -110,8 +117,44 @@ def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
     return out
 
 
+def quantization_error(runner, docs) -> list[dict]:
+    """Mean increase of the continuation's NLL per token, per (bits, group size, rotation), over the 16-bit cache."""
+    import mlx.core as mx
+
+    import nestedkv
+    from pipeline.prompts import encode
+    from pipeline.runner import prefill
+
+    variants = [(bits, 64, rotate) for bits in (8, 4) for rotate in (False, True)]
+    sums = {v: 0.0 for v in variants}
+    n_docs = 0
+    for doc in docs:
+        ids = encode(runner.tokenizer, doc.text)
+        if len(ids) < 2 * CONTINUATION:
+            continue
+        ctx, cont = ids[:-CONTINUATION], ids[-CONTINUATION:]
+        full = nestedkv.make_cache(runner.model, nestedkv.NoPress())
+        prefill(runner.model, full, ctx[:-1], runner.config.prefill_step_size)
+        inputs = mx.array([ctx[-1:] + cont[:-1]], dtype=mx.int32)
+
+        def nll(cache) -> float:
+            logits = runner.model(inputs, cache=cache)[0].astype(mx.float32)
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return -mx.take_along_axis(logp, mx.array(cont)[:, None], axis=-1).mean().item()
+
+        base = nll(nestedkv.clone(full))
+        for bits, group, rotate in variants:
+            cache = nestedkv.clone(full, nestedkv.NoPress(kv_bits=bits, kv_group_size=group, kv_hadamard=rotate))
+            nestedkv.compress(cache)
+            sums[(bits, group, rotate)] += nll(cache) - base
+        n_docs += 1
+    return [{"kv_bits": b, "kv_group_size": g, "kv_hadamard": h, "docs": n_docs,
+             "delta_nll": round(sums[(b, g, h)] / max(n_docs, 1), 5)} for b, g, h in variants]
+
+
 def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_new_tokens: int = 24,
-        speed_docs: int = 1, decode_tokens: int = 64, out: Optional[str] = None,
+        speed_docs: int = 1, decode_tokens: int = 64, error_docs: int = 5, error_input: str = DEFAULT_INPUT,
+        out: Optional[str] = None,
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
     """Both parts (``docs`` or ``speed_docs`` 0: that part skipped), each figure through ``log`` as it comes
     (and all of them to ``out`` as JSON)."""
@@ -121,9 +164,14 @@ def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_
     runner = make_runner(RunConfig(task="qa", model=model, max_new_tokens=max_new_tokens))
     loaded, _ = load_documents(input)
     figures = {"input": input, "model": model, "max_new_tokens": max_new_tokens}
+    if error_docs:
+        figures["error"] = quantization_error(runner, load_documents(error_input)[0][:error_docs])
+        for row in figures["error"]:
+            log(json.dumps(row))
     if docs:
-        figures["mlx_lm_8bit"] = compare_with_mlx_lm(runner, loaded[:docs])
-        log(json.dumps(figures["mlx_lm_8bit"]))
+        for key, rotate in (("mlx_lm_8bit", False), ("mlx_lm_8bit_rotated_keys", True)):
+            figures[key] = compare_with_mlx_lm(runner, loaded[:docs], hadamard=rotate)
+            log(json.dumps({key: figures[key]}))
     if speed_docs:
         figures["speed"] = decode_speed(runner, loaded[:speed_docs], decode_tokens)
         for row in figures["speed"]:

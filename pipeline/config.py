@@ -40,8 +40,8 @@ HASHED_WHEN_SET = {"hashed_when_set": True}
 
 # The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
 PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "kv_bits",
-                "kv_group_size")
-KV_FIELDS = ("kv_bits", "kv_group_size")
+                "kv_group_size", "kv_hadamard")
+KV_FIELDS = ("kv_bits", "kv_group_size", "kv_hadamard")
 
 
 class _Settings(BaseModel):
@@ -65,6 +65,16 @@ class PressSettings(_Settings):
                                    "(mlx-lm's --kv-bits; 16 or none: the model's dtype)")
     kv_group_size: int = Field(64, description="values per quantization scale and bias, 32, 64 or 128 (mlx-lm's "
                                "--kv-group-size)")
+    kv_hadamard: bool = Field(True, description="store quantized keys rotated by a Hadamard matrix, so that no "
+                              "group holds their outlier channels (false: mlx-lm's layout)")
+
+    @model_validator(mode="after")
+    def _unquantized_kv_defaults(self):
+        # The quantization settings mean nothing without kv_bits: one unquantized configuration, not one per
+        # value (validated first: a typo still fails). The model is frozen, hence __dict__.
+        if self.kv_bits is None:
+            self.__dict__.update({n: PressSettings.model_fields[n].default for n in KV_FIELDS})
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -113,7 +123,7 @@ class PressSettings(_Settings):
         if self.prefill != "whole":
             kw["prefill"] = self.prefill
         if self.kv_bits is not None:
-            kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+            kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, kv_hadamard=self.kv_hadamard)
         try:
             return get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
         except TypeError as exc:  # an unknown parameter name
@@ -184,7 +194,9 @@ class RunConfig(GenerationSettings, PressSettings):
         # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
         new = {n for n, f in type(self).model_fields.items()
                if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
-        dump = self.model_dump(exclude=new | (set(KV_FIELDS) if self.kv_bits is None else set()))
+        # Keys quantized unrotated hash as they did before the rotation existed.
+        kv = set(KV_FIELDS) if self.kv_bits is None else set() if self.kv_hadamard else {"kv_hadamard"}
+        dump = self.model_dump(exclude=new | kv)
         dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 
@@ -201,7 +213,7 @@ class RunConfig(GenerationSettings, PressSettings):
         """The uncompressed twin of this configuration (what quality is measured against)."""
         return self.model_copy(update={"press": REFERENCE_PRESS, "compression_ratio": 0.0, "budget": None,
                                        "head_budget": "uniform", "prefill": "whole", "press_params": {},
-                                       "kv_bits": None, "kv_group_size": 64})
+                                       **{n: PressSettings.model_fields[n].default for n in KV_FIELDS}})
 
     def shared(self) -> dict:
         """The fields one prefill depends on (all but the press fields)."""
@@ -212,7 +224,7 @@ class RunConfig(GenerationSettings, PressSettings):
         extra = "".join(f" {k}={v}" for k, v in sorted(self.press_params.items()))
         mode = " streaming" if self.prefill == "streaming" else ""
         quant = "" if self.kv_bits is None else f" kv{self.kv_bits}" + (
-            f"/g{self.kv_group_size}" if self.kv_group_size != 64 else "")
+            f"/g{self.kv_group_size}" if self.kv_group_size != 64 else "") + ("" if self.kv_hadamard else "/plain")
         if self.press == REFERENCE_PRESS:
             return f"{self.press}{quant}"
         return f"{self.press} {size} {self.head_budget}{mode}{quant}{extra}"

@@ -167,9 +167,10 @@ def make_configs(base: RunConfig, presses: Sequence[str], compression_ratios: Se
 
 
 def scalar_type(annotation) -> Any:
-    """``Optional[int]`` -> int, a ``Literal`` -> str: the type one value of a setting is read as."""
+    """``Optional[int]`` -> int, a ``Literal`` -> str: the type one value of a setting is read as. A bool is
+    read as the word (``bool("false")`` is True): the spec's validation parses it and names a bad one."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Literal:
+    if typing.get_origin(annotation) is typing.Literal or annotation is bool:
         return str
     if typing.get_origin(annotation) is typing.Union and len(args) == 1:
         return scalar_type(args[0])

@@ -1,5 +1,6 @@
-"""Quantized KV on top of a press (issue 19): rows chosen on the real keys, then quantized with mx.quantize; mlx-lm's
-quantized attention over them; the same layouts (dense, per-head, padded for stack) and byte-exact accounting.
+"""Quantized KV on top of a press (issue 19): rows chosen on the real keys, then quantized with mx.quantize (keys
+rotated by a Hadamard matrix first, unless kv_hadamard=False: mlx-lm's own layout); mlx-lm's quantized attention
+over them; the same layouts (dense, per-head, padded for stack) and byte-exact accounting.
 
 The tiny models here have head dimension 64 (mx.quantize's groups are 32, 64 or 128 values)."""
 
@@ -22,6 +23,8 @@ from nestedkv import (
     stack,
     take,
 )
+from nestedkv import attention as nkv_attention
+from nestedkv.buffers import check_hadamard, hadamard, hadamard_fits
 
 
 def model64(dtype=mx.float32, n_heads=4, n_kv_heads=2, seed=0):
@@ -57,12 +60,15 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if not mx.array_equal(x, y).item()), None)
 
 
-@pytest.mark.parametrize("press", [NoPress(kv_bits=8), NestedKVPress(compression_ratio=0.0, kv_bits=8),
-                                   NestedKVPress(compression_ratio=0.0, head_budget="adaptive", kv_bits=8),
-                                   KeyDiffPress(compression_ratio=0.0, kv_bits=4)], ids=lambda p: p.name)
+@pytest.mark.parametrize("press", [NoPress(kv_bits=8, kv_hadamard=False),
+                                   NestedKVPress(compression_ratio=0.0, kv_bits=8, kv_hadamard=False),
+                                   NestedKVPress(compression_ratio=0.0, head_budget="adaptive", kv_bits=8,
+                                                 kv_hadamard=False),
+                                   KeyDiffPress(compression_ratio=0.0, kv_bits=4, kv_hadamard=False)],
+                         ids=lambda p: p.name)
 def test_r0_quantized_equals_mlx_lm_quantized_kv_cache(press):
-    """r = 0: the same logits, bit for bit, as mlx-lm's KVCache prefilled the same way and converted with
-    to_quantized (its QuantizedKVCache), through the question and greedy decode steps."""
+    """r = 0 unrotated: the same logits, bit for bit, as mlx-lm's KVCache prefilled the same way and converted
+    with to_quantized (its QuantizedKVCache), through the question and greedy decode steps."""
     model = model64()
     install_attention_hook(model)  # both runs take the same (hooked) attention
     ids, q = toks(300), toks(7, seed=1)
@@ -91,7 +97,7 @@ def test_inside_mlx_lm_generate_it_compresses_quantizes_and_equals_mlx_lm_at_r0(
                                                  prefill_step_size=128, **kw)]
         return out, cache
 
-    ours, cache = run(make_cache(model, NoPress(kv_bits=8)))
+    ours, cache = run(make_cache(model, NoPress(kv_bits=8, kv_hadamard=False)))
     theirs, _ = run([KVCache() for _ in model.layers], kv_bits=8, kv_group_size=64,
                     quantized_kv_start=prompt.shape[0] - 1)
     assert all(c.quantized for c in cache) and ours == theirs
@@ -122,9 +128,10 @@ def test_quantized_rows_are_the_unquantized_selection_quantized(head_budget, pre
     for full, q in zip(*caches):
         assert mx.array_equal(full.kept, q.kept).item() and full.head_rows == q.head_rows
         assert (full.flat_keys is None) == (q.flat_keys is None)
-        for x, y in zip(_rows(full), _rows(q)):
+        for x, y, rotated in zip(_rows(full), _rows(q), (True, False)):  # keys rotated, values as they are
             n = y[0].shape[2]
-            want = mx.quantize(x[..., :n, :], group_size=64, bits=4)
+            x = x[..., :n, :]
+            want = mx.quantize(hadamard(x) if rotated else x, group_size=64, bits=4)
             assert all(mx.array_equal(a, b).item() for a, b in zip(want, y))
 
 
@@ -186,7 +193,7 @@ def test_save_load_roundtrip_of_a_quantized_cache(tmp_path, head_budget):
     path = str(tmp_path / "q.safetensors")
     save_prompt_cache(path, cache)
     loaded = load_prompt_cache(path)
-    assert all(type(c) is NestedKVCache and c.quantized and (c.bits, c.group_size) == (8, 64) for c in loaded)
+    assert all(type(c) is NestedKVCache and c.quant == (8, 64, True) for c in loaded)
     assert [c.nbytes for c in loaded] == [s.bytes_kept for s in layer_stats(loaded)]
     y = toks(1, seed=3)[None]
     assert mx.array_equal(model(y, cache=cache), model(y, cache=loaded)).item()
@@ -231,8 +238,14 @@ def test_bad_quantization_settings_are_refused_before_any_work():
     for c in (a, b):
         prefill(model, c, toks(40), 40)
         compress(c)
-    with pytest.raises(ValueError, match="quantized alike"):
-        stack([a, b])
+    plain = make_cache(model, NoPress(kv_bits=4, kv_hadamard=False))
+    prefill(model, plain, toks(40), 40)
+    compress(plain)
+    for other in (b, plain):  # unquantized, or keys not rotated: their attention differs
+        with pytest.raises(ValueError, match="quantized alike"):
+            stack([a, other])
+    with pytest.raises(ValueError, match="kv_hadamard must be true or false"):
+        NestedKVPress(kv_bits=4, kv_hadamard="yes")
     with pytest.raises(ValueError, match="kv_bits"):
         a[0].to_quantized(bits=4)  # mlx-lm's kv_bits would bypass the press: pointed at the press's option
 
@@ -243,11 +256,19 @@ def test_press_json_and_run_hash():
 
     assert "kv_bits" not in NestedKVPress().to_json()  # unquantized presses (and old saved caches) unchanged
     p = NestedKVPress(compression_ratio=0.5, kv_bits=4, kv_group_size=32)
-    assert NestedKVPress.from_json(p.to_json()) == p
+    assert NestedKVPress.from_json(p.to_json()) == p and p.kv_hadamard
+    plain = NestedKVPress(compression_ratio=0.5, kv_bits=4, kv_group_size=32, kv_hadamard=False)
+    assert NestedKVPress.from_json(plain.to_json()) == plain
+    # stored before the rotation existed: unrotated, as they were computed
+    assert "kv_hadamard" not in plain.to_json() and "kv_hadamard" in p.to_json()
     base = RunConfig(task="qa")
     assert "kv_bits" not in base.canonical_json()  # 16-bit runs keep their hashes: old stores still resume
-    hashes = {RunConfig(task="qa", kv_bits=b, kv_group_size=g).config_hash() for b in (None, 4, 8) for g in (32, 64)}
-    assert len(hashes) == 5  # group size only matters when quantized
+    hashes = {RunConfig(task="qa", kv_bits=b, kv_group_size=g, kv_hadamard=h).config_hash()
+              for b in (None, 4, 8) for g in (32, 64) for h in (True, False)}
+    assert len(hashes) == 9  # group size and rotation only matter when quantized
+    assert "kv_hadamard" not in RunConfig(kv_bits=4, kv_hadamard=False).canonical_json()  # old stores resume
+    assert RunConfig(kv_group_size=32, kv_hadamard=False) == RunConfig()  # one unquantized configuration
+    assert RunConfig(kv_bits=4, kv_hadamard=False).label().endswith("kv4/plain")
     q8 = RunConfig(task="qa", press="no_press", compression_ratio=0.0, kv_bits=8)
     assert not q8.is_reference and q8.reference().kv_bits is None and q8.label() == "no_press kv8"
     cfgs = make_configs(base, ["no_press", "keydiff"], [0.75], kv_bits=[None, 4])
@@ -352,6 +373,110 @@ def test_kv_settings_reach_the_flows_and_deployments():
     inspect.signature(summarize_batch.fn).bind(**params)
     inspect.signature(sharded_batch.fn).bind(pool="macs", **params)
     grid = press_grid({"press": "nestedkv", "compression_ratio": "0.75", "budget": None, "head_budget": None,
-                       "prefill": "whole", "press_param": None, "kv_bits": "16,8,4", "kv_group_size": "64"})
+                       "prefill": "whole", "press_param": None, "kv_bits": "16,8,4", "kv_group_size": "64",
+                       "kv_hadamard": "true,false"})
     assert grid["kv_bits"] == [None, 8, 4]
+    spec = BatchSpec(input="x", **grid)
+    assert [(c.kv_bits, c.kv_hadamard) for c in spec.configs()] == [(None, True), (8, True), (8, False), (4, True),
+                                                                    (4, False)]
     inspect.signature(budget_sweep.fn).bind(**SWEEP.arguments(BatchSpec(input="x", **grid)))
+
+
+def test_hadamard_keeps_dot_products_and_spreads_outlier_channels():
+    """The rotation is orthonormal (scores unchanged before quantization), and on keys with a few large
+    channels, as real models' keys have, 4-bit scores come out closer after it."""
+    k = mx.random.normal((1, 2, 256, 64), key=mx.random.key(0))
+    k = k * mx.where(mx.arange(64) < 3, 30.0, 1.0)  # three outlier channels
+    q = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1))
+    exact = q @ k.swapaxes(-1, -2)
+    assert mx.allclose(hadamard(q) @ hadamard(k).swapaxes(-1, -2), exact, atol=1e-3).item()
+
+    def error(rotate):
+        kk, qq = (hadamard(k), hadamard(q)) if rotate else (k, q)
+        deq = mx.dequantize(*mx.quantize(kk, group_size=64, bits=4), group_size=64, bits=4)
+        return mx.abs(qq @ deq.swapaxes(-1, -2) - exact).mean().item()
+
+    assert error(rotate=True) < 0.5 * error(rotate=False)
+
+
+@pytest.mark.parametrize("head_dim,fits", [(64, True), (128, True), (96, True), (80, True), (112, True),
+                                           (72, False), (288, False), (100, False)])
+def test_hadamard_sizes_are_checked_before_mlx_is_asked(head_dim, fits):
+    """mx.hadamard_transform returns a non-orthogonal result for sizes it does not have (72: 9 x 8) instead of
+    raising: those are refused, naming the way out."""
+    assert hadamard_fits(head_dim) is fits
+    if fits:
+        x = mx.random.normal((3, head_dim), key=mx.random.key(2))
+        assert mx.allclose((hadamard(x) ** 2).sum(-1), (x ** 2).sum(-1), rtol=1e-4).item()
+    else:
+        with pytest.raises(ValueError, match="kv_hadamard=False"):
+            check_hadamard(head_dim)
+
+
+@pytest.mark.parametrize("head_budget", ["uniform", "adaptive"])
+def test_rotated_keys_attend_like_the_same_keys_rotated_back(head_budget):
+    """The queries are rotated exactly where the keys are: the quantized cache answers as a plain 16-bit cache
+    holding the same rows dequantized and rotated back (the 64-dim Hadamard matrix is its own inverse)."""
+    model = model64()
+    ids, q = toks(300), toks(5, seed=1)[None]
+    cache = make_cache(model, NestedKVPress(compression_ratio=0.0, head_budget=head_budget, kv_bits=4))
+    prefill(model, cache, ids, 128)
+    compress(cache)
+    ref = [KVCache() for _ in model.layers]
+    prefill(model, ref, ids, 128)
+
+    def dq(x):
+        return mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)
+
+    class RotatedBack(KVCache):  # every row it gets (the question's too) quantized, then rotated back
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(hadamard(dq(hadamard(keys))), dq(values))
+
+    back = []
+    for c in ref:
+        back.append(RotatedBack())
+        back[-1].update_and_fetch(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+    got = model(q, cache=cache)
+    assert mx.allclose(got, model(q, cache=back), atol=1e-4).item()
+    unrotated = make_cache(model, NestedKVPress(compression_ratio=0.0, head_budget=head_budget, kv_bits=4,
+                                                kv_hadamard=False))
+    prefill(model, unrotated, ids, 128)
+    compress(unrotated)
+    assert not mx.allclose(got, model(q, cache=unrotated), atol=1e-4).item()  # the rotation is what differs
+
+
+def test_rotated_keys_refuse_a_model_that_is_not_routed(monkeypatch):
+    """mlx-lm's attention would score unrotated queries against rotated keys: the cache refuses and says how
+    to route the model; a model that cannot be routed is refused when its cache is made."""
+    model = model64()
+    cache = make_cache(model, NoPress(kv_bits=8))
+    prefill(model, cache, toks(100), 100)
+    compress(cache)
+    monkeypatch.setattr(nkv_attention, "calling_model", lambda skip=2: None)
+    other = model64()
+    with pytest.raises(RuntimeError, match="Hadamard rotation"):
+        other(toks(3, seed=1)[None], cache=cache)
+    monkeypatch.setattr(nkv_attention, "install_attention_hook", lambda m, required=True: False)
+    import nestedkv.kvcache as kvcache
+
+    monkeypatch.setattr(kvcache, "install_attention_hook", lambda m, required=True: False)
+    with pytest.raises(ValueError, match="kv_hadamard=False"):
+        make_cache(model64(), NoPress(kv_bits=4))
+    assert make_cache(model64(), NoPress(kv_bits=4, kv_hadamard=False))  # mlx-lm's own layout needs no routing
+
+
+def test_bench_quant_error_figure_ranks_the_quantizers():
+    """``nkv bench quant``'s error part: one row per quantizer, over the documents long enough to score, and
+    8 bits moves the loss far less than 4 bits."""
+    from pipeline.bench_quant import CONTINUATION, quantization_error
+    from pipeline.config import RunConfig
+    from pipeline.documents import Document
+    from pipeline.runner import Runner
+
+    runner = Runner(model64(), ByteTokenizer(), RunConfig(task="qa", model="tiny", prefill_step_size=128))
+    docs = [Document(**d) for d in sample_docs(2, 3 * CONTINUATION)] + [Document(doc_id="short", text="too short")]
+    rows = quantization_error(runner, docs)
+    assert [(r["kv_bits"], r["kv_hadamard"]) for r in rows] == [(8, False), (8, True), (4, False), (4, True)]
+    assert all(r["docs"] == 2 for r in rows)
+    by = {(r["kv_bits"], r["kv_hadamard"]): abs(r["delta_nll"]) for r in rows}
+    assert max(by[(8, False)], by[(8, True)]) < min(by[(4, False)], by[(4, True)])

@@ -558,6 +558,14 @@ CASES = [
     # nkv suite takes the batch commands' press grid: what it cannot run is one line before any document is made
     error("suite-kv-group-the-model-cannot-take", SUITE + ["--kv-bits", "8"], "--kv-group-size", "head dimension 16",
           check=no_file("rep")),
+    # a bool press option is read as a word (bool("false") would be true), and a bad word is named with its value
+    error("kv-hadamard-not-a-word", run_with("--kv-bits", "4", "--kv-hadamard", "maybe"), "kv_hadamard",
+          "got 'maybe'"),
+    # quantization settings without --kv-bits are one unquantized configuration, not one run per value
+    ok("sweep-unquantized-once-whatever-the-kv-settings",
+       ["sweep", "--input", "{input}", "--model", TINY_NAME, "--db", "{db}", "--max-new-tokens", "2", "--press",
+        "knorm", "--compression-ratio", "0.5", "--kv-group-size", "32,64", "--kv-hadamard", "true,false"],
+       runs=("completed",) * 2),
     error("suite-budget", SUITE + ["--budget", "64"], "budget: the suite compares ratios", check=no_file("rep")),
     error("suite-no_press-in-the-grid", SUITE + ["--press", "no_press,keydiff"], "no_press is the calibration",
           check=no_file("rep")),

@@ -58,6 +58,8 @@ def bench(
                                              "(default 1, 0: skip)"),
     decode_tokens: Optional[int] = typer.Option(None, "--decode-tokens", help="quant: greedy tokens decoded per "
                                                 "speed row (default 64)"),
+    error_docs: Optional[int] = typer.Option(None, "--error-docs", help="quant: sample-batch documents for the "
+                                             "loss each quantizer adds (default 5, 0: skip)"),
     task: Optional[str] = typer.Option(None, "--task", help="overhead: qa (default) or summarize"),
     press: Optional[str] = typer.Option(None, "--press", help="overhead: the press (default nestedkv)"),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="kernels: prefill chunk size (default 512)"),
@@ -127,7 +129,8 @@ def bench(
             from pipeline import bench_quant
 
             bench_quant.run(model=model, out=out, **_given(input=input, docs=docs, max_new_tokens=max_new_tokens,
-                                                           speed_docs=speed_docs, decode_tokens=decode_tokens))
+                                                           speed_docs=speed_docs, decode_tokens=decode_tokens,
+                                                           error_docs=error_docs))
         elif what == "overhead":
             from pipeline.bench import run_overhead
 

@@ -148,13 +148,23 @@ def split_list(value: Optional[str], cast, flag: str) -> list:
         fail(f"{flag}: expected a comma-separated list, got {value!r}")
 
 
+def _given(error: dict) -> str:
+    """The value a type error refused, where pydantic's message does not say it."""
+    value = error.get("input")
+    if error["type"].endswith("_parsing") or error["type"] in ("bool_type", "int_type", "float_type"):
+        if isinstance(value, (str, int, float)) and len(repr(value)) <= 40:
+            return f" (got {value!r})"
+    return ""
+
+
 def invalid(exc: Exception) -> None:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
         # removeprefix: pydantic's wording for a validator's ValueError, noise to a user
         fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
-                                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors()))
+                                             f"{e['msg'].removeprefix('Value error, ')}{_given(e)}"
+                                             for e in exc.errors()))
     fail(f"invalid options: {exc}")
 
 

@@ -62,6 +62,9 @@ class BasePress:
     # dimension, once compression is done; None: keep the model's dtype. Scoring always sees the real keys.
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
+    # Quantized keys are stored rotated by a Hadamard matrix (queries are rotated alike at attention), so no
+    # quantization group holds a key's outlier channels. False: mlx-lm's QuantizedKVCache layout, unrotated.
+    kv_hadamard: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -86,6 +89,8 @@ class BasePress:
         if not isinstance(self.unrotate, bool):
             raise ValueError(f"unrotate must be true or false, got {self.unrotate!r}")
         check_kv_bits(self.kv_bits, self.kv_group_size)
+        if not isinstance(self.kv_hadamard, bool):
+            raise ValueError(f"kv_hadamard must be true or false, got {self.kv_hadamard!r}")
 
     def score(self, keys: mx.array) -> mx.array:
         raise NotImplementedError
@@ -127,6 +132,8 @@ class BasePress:
         # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
         if not self.unrotate:
             del params["unrotate"]
+        if self.kv_bits is None or not self.kv_hadamard:  # quantized before the rotation existed: unrotated
+            del params["kv_hadamard"]
         if self.kv_bits is None:
             del params["kv_bits"], params["kv_group_size"]
         return json.dumps({"press": self.name, **params}, sort_keys=True)
@@ -136,6 +143,8 @@ class BasePress:
         params = json.loads(text)
         name = params.pop("press")
         params.setdefault("unrotate", False)  # stored before the parameter existed: post-RoPE scoring
+        if "kv_bits" in params:
+            params.setdefault("kv_hadamard", False)  # likewise: keys quantized unrotated
         return get_press(name, **params)
 
 
