@@ -320,10 +320,10 @@ class Runner:
         return [int(t) for t in nxt.tolist()]
 
     def _decode_by_kv_width(self, caches: list, first: list[int], histories: list[list[int]]) -> list:
-        """``_decode_together`` per KV width (quantized bits and group size): one batch cannot mix them."""
+        """``_decode_together`` per quantization (bits, group size, key rotation): one batch cannot mix them."""
         groups: dict = {}
         for i, c in enumerate(caches):
-            groups.setdefault((getattr(c[0], "bits", None), getattr(c[0], "group_size", None)), []).append(i)
+            groups.setdefault(c[0].quant, []).append(i)
         out = [None] * len(caches)
         for idx in groups.values():
             got = self._decode_together([caches[i] for i in idx], [first[i] for i in idx], [histories[i] for i in idx])

@@ -480,3 +480,26 @@ def test_bench_quant_error_figure_ranks_the_quantizers():
     assert all(r["docs"] == 2 for r in rows)
     by = {(r["kv_bits"], r["kv_hadamard"]): abs(r["delta_nll"]) for r in rows}
     assert max(by[(8, False)], by[(8, True)]) < min(by[(4, False)], by[(4, True)])
+
+
+def test_rotated_and_unrotated_configurations_decode_together_as_alone():
+    """A sweep over kv_hadamard decodes each quantization as a batch of its own (a stack cannot mix them):
+    every answer ok, the same batched as one at a time."""
+    from pipeline.config import RunConfig
+    from pipeline.documents import Document
+    from pipeline.engine import EngineOptions, compute
+    from pipeline.runner import Runner
+    from pipeline.spec import PressGrid
+
+    base = RunConfig(task="qa", model="tiny", max_new_tokens=4, prefill_step_size=128)
+    runner = Runner(model64(), ByteTokenizer(), base, max_context=4096)
+    doc = Document(**sample_docs(1, 500)[0])
+    cfgs = PressGrid(press=["nestedkv", "no_press"], compression_ratio=[0.75], kv_bits=[None, 4],
+                     kv_hadamard=[True, False]).configs(base)
+    assert len(cfgs) == 6
+    answers = []
+    for batched in (False, True):
+        got = compute(runner, doc, cfgs, reference=cfgs[0].reference(), options=EngineOptions(batch_decode=batched))
+        assert all(o.result.status == "ok" for o in got), [o.result.error for o in got]
+        answers.append({o.config: [q.output for q in o.result.questions] for o in got})
+    assert answers[0] == answers[1]
