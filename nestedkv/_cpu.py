@@ -3,6 +3,8 @@ more cores (matmuls already use every core through BLAS)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 
 from nestedkv._platform import cpu_cores, fast_path_enabled
@@ -12,6 +14,14 @@ MAX_STREAMS = 4
 # 32 MiB or more afresh, so each such buffer costs a page fault per 4 KiB.
 CHUNK_BYTES = 16 * 2**20
 _STREAMS: list = []
+_POOL: list = []
+
+
+def pool() -> ThreadPoolExecutor:
+    """Threads for NumPy work over the cores (created once per process, on first use)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="nkv-cpu"))
+    return _POOL[0]
 
 
 def stream(i: int) -> mx.Stream:

@@ -202,6 +202,10 @@ def test_attention_by_row_blocks_equals_one_call(mask, monkeypatch):
     got = nkv_attention._by_rows(q, k, v, 0.25, m, None, plan)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    if mask in ("causal", None):  # fp32 with these masks: the NumPy blocks
+        got = nkv_attention.numpy_rows(q, k, v, 0.25, mask == "causal", plan)
+        assert got.shape == want.shape and got.dtype == mx.float32
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
     # and through the hook, as a model calls it
     hooked = nkv_attention.attention(q, k, v, None, 0.25, m)
     np.testing.assert_allclose(np.array(hooked), np.array(want), atol=1e-5, rtol=1e-5)
@@ -258,13 +262,25 @@ def test_prefill_by_row_blocks_gives_the_same_greedy_tokens(tiny_model, tokens, 
 
     want, want_logits = greedy()
     calls = []
-    by_rows = nkv_attention._by_rows
-    monkeypatch.setattr(nkv_attention, "_by_rows", lambda *a: calls.append(a[0].shape) or by_rows(*a))
+    blocks = nkv_attention.numpy_rows  # fp32 prefill chunks take the NumPy blocks
+    monkeypatch.setattr(nkv_attention, "numpy_rows", lambda *a: calls.append(a[0].shape) or blocks(*a))
     monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
     install_attention_hook(model)
     got, got_logits = greedy()
     assert calls and got == want
     assert float(mx.max(mx.abs(got_logits - want_logits)).item()) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_row_blocks_stay_in_mlx(dtype, monkeypatch):
+    """NumPy has no bfloat16 and would compute fp16 in fp16: those blocks stay mlx's, within its rounding."""
+    q, k, v = (x.astype(dtype) for x in _random_attention_inputs(1, 4, 2, 64, 64, seed=11))
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    monkeypatch.setattr(nkv_attention, "numpy_rows", lambda *a: pytest.fail("NumPy blocks for half precision"))
+    got = nkv_attention.attention(q, k, v, None, 0.25, "causal")
+    want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.25, mask="causal")
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=2e-2)
 
 
 def decode_together_and_alone(model, batch, alone, y, steps: int = 3) -> None:
