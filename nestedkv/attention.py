@@ -16,8 +16,9 @@ passes everything else to mlx-lm's function.
 On the CPU, long prefill chunks are also split by query rows (``row_plan``): mlx's CPU attention computes its
 softmax on one thread, and its exp dominates prefill time past a few hundred context tokens, so row blocks
 on several CPU streams use every core; causal blocks skip the keys they cannot see, and every block's scores
-stay under ``_cpu.CHUNK_BYTES``. Each block, and on the CPU every shorter call (decode steps included), is
-``softmax_attention``, whose exp is a power of 2 (mlx's CPU exp is about three times slower). Both only with
+stay under ``_cpu.CHUNK_BYTES``. fp32 blocks under a causal or no mask run in NumPy (``numpy_rows``: its
+vectorized exp), others and every shorter call (decode steps included) as ``softmax_attention``, whose exp
+is a power of 2 (mlx's CPU exp is about three times slower). Both only with
 the CPU fast path (``nestedkv.enable_cpu_fast_path``); elsewhere (without it, Metal, CUDA, attention sinks)
 mlx's attention runs as is.
 """
