@@ -178,6 +178,36 @@ def _summary(values: list[float]) -> dict:
     return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
 
 
+def _prefill_seconds(model, toks, chunk: int) -> float:
+    cache = make_cache(model, NoPress())
+    t = time.perf_counter()
+    for i in range(0, int(toks.shape[0]), chunk):
+        mx.eval(model(toks[None, i : i + chunk], cache=cache), [c.keys for c in cache])
+    return time.perf_counter() - t
+
+
+def prefill_profile(model, toks, chunk: int) -> dict:
+    """Prefill seconds with the attention's long chunks in NumPy blocks (the CPU fast path's), in mlx blocks
+    (before them), and with no attention at all (the queries returned: the rest of the model's work). Only
+    with the CPU fast path on the CPU; elsewhere the three are one path and this is empty."""
+    from unittest import mock
+
+    from nestedkv import _cpu, attention
+
+    if not _cpu.fast():
+        return {}
+
+    def mlx_blocks(q, k, v, scale, causal, plan):
+        return attention._by_rows(q, k, v, scale, "causal" if causal else None, None, plan)
+
+    out = {"numpy_blocks": _prefill_seconds(model, toks, chunk)}
+    with mock.patch.object(attention, "numpy_rows", mlx_blocks):
+        out["mlx_blocks"] = _prefill_seconds(model, toks, chunk)
+    with mock.patch.object(attention, "_attend", lambda q, *a, **k: q):
+        out["no_attention"] = _prefill_seconds(model, toks, chunk)
+    return out
+
+
 def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, text=None, random_tokens=False):
     model, tokenizer = load_model_dir(path, random_tokens)
     converted = to_fp32_on_cpu(model)
@@ -194,6 +224,7 @@ def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, tex
         mx.eval(logits, [c.keys for c in cache])
     prefill_s = time.perf_counter() - t
     first = mx.argmax(logits[:, -1:, :], axis=-1)
+    profile = prefill_profile(model, toks, chunk)
 
     configs = {"no_press": NoPress(), "r=0.75": NestedKVPress(compression_ratio=0.75),
                "r=0.9": NestedKVPress(compression_ratio=0.9)}
@@ -235,6 +266,7 @@ def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, tex
         "chunk": chunk,
         "new_tokens": new_tokens,
         "prefill_seconds": prefill_s,
+        "prefill_profile": profile,
         "configs": results,
     }
 
@@ -286,6 +318,13 @@ def report(out: dict) -> str:
             f"{', converted to fp32' if mo['converted_to_fp32'] else ''}; {mo['tokens']})",
             f"  context {mo['context']} tokens in {mo['chunk']}-token chunks: prefill {mo['prefill_seconds']:.2f}s",
         ]
+        pr = mo.get("prefill_profile")
+        if pr:
+            n = mo["context"]
+            lines.append("  prefill profile: " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.2f}s ({n / v:.0f} tok/s)" for k, v in pr.items())
+                + f"; attention {1 - pr['no_attention'] / pr['numpy_blocks']:.0%} of it in NumPy blocks, "
+                f"{1 - pr['no_attention'] / pr['mlx_blocks']:.0%} in mlx blocks")
         for name, r in mo["configs"].items():
             kept = r["kept_over_full"]
             res = r["resident_over_logical"]

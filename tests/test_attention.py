@@ -362,3 +362,16 @@ def test_unpadded_adaptive_attention_equals_the_padded_path_on_smollm2(tokens):
         q = ids[:12][None]
         a, b = model(q, cache=cache), model(q, cache=padded)
         assert float(mx.max(mx.abs(a - b)).item()) <= 1e-5 * max(1.0, float(mx.max(mx.abs(b)).item()))
+
+
+def test_prefill_profile_times_the_three_attention_paths(tiny_model, tokens, monkeypatch):
+    """``nkv bench kernels``'s prefill profile: each path timed, and the module's functions as they were after."""
+    from nestedkv import bench
+
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    model = tiny_model("llama", n_layers=2)
+    install_attention_hook(model)
+    before = (nkv_attention.numpy_rows, nkv_attention._attend)
+    prof = bench.prefill_profile(model, tokens(300, seed=4), 128)
+    assert set(prof) == {"numpy_blocks", "mlx_blocks", "no_attention"} and all(v > 0 for v in prof.values())
+    assert (nkv_attention.numpy_rows, nkv_attention._attend) == before
