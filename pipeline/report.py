@@ -65,7 +65,7 @@ def _order(row: dict) -> tuple:
     order = press_order()
     rank = order.index(press) if press in order else len(order)
     return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
-            -(row.get("kv_bits") or 16), row["budget"] or 0, row["compression_ratio"])
+            -(row.get("kv_bits") or 16), bool(row.get("kv_plain")), row["budget"] or 0, row["compression_ratio"])
 
 
 def quality_rows(store: Store) -> list[dict]:
@@ -81,7 +81,14 @@ def quality_rows(store: Store) -> list[dict]:
         r["resident_mib"] = kept.get(r["config_hash"], {}).get("resident_mib")
         ref = full_acc.get(r["model"])
         r["accuracy_vs_full"] = r["accuracy"] / ref if ref and r["accuracy"] is not None else None
+        r["kv_label"] = kv_label(r)
     return sorted(rows, key=_order)
+
+
+def kv_label(row: dict) -> Optional[str]:
+    """The KV width as the report writes it: ``4``, or ``4 plain`` for keys quantized unrotated."""
+    bits = row.get("kv_bits")
+    return None if not bits else f"{bits}{' plain' if row.get('kv_plain') else ''}"
 
 
 def _fmt(value, fmt: str) -> str:
@@ -95,7 +102,7 @@ def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
     if len({r["model"] for r in rows}) > 1:
         cols.insert(0, ("model", "model", "{}"))
     if any(r.get("kv_bits") for r in rows):
-        cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("kv_bits", "KV bits", "{}"))
+        cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("kv_label", "KV bits", "{}"))
     if any(r["budget"] for r in rows):
         cols.insert(cols.index(("compression_ratio", "ratio", "{:.2f}")) + 1, ("budget", "budget", "{}"))
     return cols
@@ -185,7 +192,7 @@ def _num(v) -> float:
 
 
 def _label(row: dict) -> str:
-    bits = f" {row['kv_bits']}-bit KV" if row.get("kv_bits") else ""
+    bits = f" {row['kv_bits']}-bit KV{' plain' if row.get('kv_plain') else ''}" if row.get("kv_bits") else ""
     return (row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})") + bits
 
 

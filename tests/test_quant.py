@@ -482,14 +482,17 @@ def test_bench_quant_error_figure_ranks_the_quantizers():
     assert max(by[(8, False)], by[(8, True)]) < min(by[(4, False)], by[(4, True)])
 
 
-def test_rotated_and_unrotated_configurations_decode_together_as_alone():
+def test_rotated_and_unrotated_configurations_decode_together_as_alone(tmp_path):
     """A sweep over kv_hadamard decodes each quantization as a batch of its own (a stack cannot mix them):
-    every answer ok, the same batched as one at a time."""
+    every answer ok, the same batched as one at a time; the report tells the two layouts apart."""
     from pipeline.config import RunConfig
     from pipeline.documents import Document
     from pipeline.engine import EngineOptions, compute
+    from pipeline.evaluate import evaluation_rows
+    from pipeline.report import write_report
     from pipeline.runner import Runner
     from pipeline.spec import PressGrid
+    from pipeline.store import Store
 
     base = RunConfig(task="qa", model="tiny", max_new_tokens=4, prefill_step_size=128)
     runner = Runner(model64(), ByteTokenizer(), base, max_context=4096)
@@ -499,7 +502,18 @@ def test_rotated_and_unrotated_configurations_decode_together_as_alone():
     assert len(cfgs) == 6
     answers = []
     for batched in (False, True):
-        got = compute(runner, doc, cfgs, reference=cfgs[0].reference(), options=EngineOptions(batch_decode=batched))
+        got = compute(runner, doc, cfgs, reference=cfgs[0].reference(),
+                      options=EngineOptions(batch_decode=batched, evaluate=True))
         assert all(o.result.status == "ok" for o in got), [o.result.error for o in got]
         answers.append({o.config: [q.output for q in o.result.questions] for o in got})
     assert answers[0] == answers[1]
+    db = str(tmp_path / "h.duckdb")
+    with Store(db) as store:
+        runs = {o.config: store.start_run(o.config, "x") for o in got}
+        ref = runs[cfgs[0].reference()]
+        store.write_results([(runs[o.config], o.result, evaluation_rows(runs[o.config], o.result, o.scores, ref))
+                             for o in got])
+    rep = write_report(db, tmp_path / "report")
+    assert [(r["press"], r["kv_label"]) for r in rep.rows] == [
+        ("no_press", None), ("no_press", "4"), ("no_press", "4 plain"),
+        ("nestedkv", None), ("nestedkv", "4"), ("nestedkv", "4 plain")]

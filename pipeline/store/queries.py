@@ -17,6 +17,9 @@ from pipeline.store.reads import Reads
 QUALITY_SQL = f"""
 WITH ev AS (
     SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv_bits}} AS kv_bits,
+           -- quantized keys stored unrotated (configurations hash kv_hadamard only when it is on)
+           {{kv_bits}} IS NOT NULL AND json_extract_string(r.config_json, '$.kv_hadamard') IS DISTINCT FROM 'true'
+               AS kv_plain,
            e.doc_id, e.question_idx, e.metric, e.value
     FROM evaluations e JOIN runs r ON r.run_id = e.run_id
     QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
@@ -24,7 +27,7 @@ WITH ev AS (
 )
 SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
        any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget, any_value(kv_bits) AS kv_bits,
-       count(DISTINCT doc_id) AS n_docs,
+       any_value(kv_plain) AS kv_plain, count(DISTINCT doc_id) AS n_docs,
        count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
        avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
        avg(value) FILTER (WHERE metric = '{AGREE_EXACT}') AS agree_exact,
