@@ -16,8 +16,8 @@ passes everything else to mlx-lm's function.
 On the CPU, long prefill chunks are also split by query rows (``row_plan``): mlx's CPU attention computes its
 softmax on one thread, and its exp dominates prefill time past a few hundred context tokens, so row blocks
 on several CPU streams use every core; causal blocks skip the keys they cannot see, and every block's scores
-stay under ``_cpu.CHUNK_BYTES``. fp32 blocks under a causal or no mask run in NumPy (``numpy_rows``: its
-vectorized exp), others and every shorter call (decode steps included) as ``softmax_attention``, whose exp
+stay under ``_cpu.CHUNK_BYTES``. fp32 blocks under a causal or no mask take their softmax in NumPy
+(``numpy_rows``: its vectorized exp), others and every shorter call (decode steps included) as ``softmax_attention``, whose exp
 is a power of 2 (mlx's CPU exp is about three times slower). Both only with
 the CPU fast path (``nestedkv.enable_cpu_fast_path``); elsewhere (without it, Metal, CUDA, attention sinks)
 mlx's attention runs as is.
@@ -123,31 +123,38 @@ def _upper(n: int) -> np.ndarray:
 
 
 def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
-    """fp32 attention by the row blocks of ``plan`` (causal: aligned to the end of the keys), in NumPy on views
-    of the evaluated mlx arrays, one thread per list of blocks. NumPy's exp is vectorized, about 20x mlx's
-    CPU exp per value, and every pass releases the GIL."""
-    mx.eval(queries, keys, values)
-    qn, kn, vn = (np.asarray(x) for x in (queries, keys, values))  # no copy: mlx's buffers
-    B, Hq, L, D = qn.shape
-    H, S = kn.shape[1], kn.shape[2]
+    """fp32 attention by the row blocks of ``plan`` (causal: aligned to the end of the keys): the products in
+    mlx (its BLAS), the softmax in NumPy, in place on the evaluated scores, one thread per list of blocks.
+    NumPy's exp is vectorized, several times mlx's CPU exp per value, and every pass releases the GIL."""
+    B, Hq, L, D = queries.shape
+    H, S = keys.shape[1], keys.shape[2]
     g = Hq // H
-    out = np.empty(qn.shape, np.float32)
-
-    def blocks(todo):
+    q = queries * (scale * LOG2E)
+    scores, spans = [], []
+    for todo in plan:
         for a, b in todo:
-            n, end = b - a, S - L + b if causal else S
-            q = qn[:, :, a:b].reshape(B, H, g, n, D) * np.float32(scale)
-            s = np.matmul(q, kn[:, :, None, :end].swapaxes(-1, -2))  # [B, H, g, n, end]
-            if causal:
-                np.copyto(s[..., end - n:], -np.inf, where=_upper(n))
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            o = np.matmul(s, vn[:, :, None, :end])
-            o /= s.sum(axis=-1, keepdims=True)  # normalized after the product: D values per row, not end
-            out[:, :, a:b] = o.reshape(B, Hq, n, D)
+            end = S - L + b if causal else S
+            qb = q[:, :, a:b].reshape(B, H, g * (b - a), D)
+            scores.append((qb @ keys[:, :, :end].swapaxes(-1, -2)).reshape(B, H, g, b - a, end))
+            spans.append((a, b, end))
+    mx.eval(scores)
+    arrays = [np.asarray(x) for x in scores]  # mlx's own buffers, written in place below
 
-    list(_cpu.pool().map(blocks, plan))
-    return mx.array(out)
+    def softmax(blocks: range) -> None:
+        for i in blocks:
+            a, b, end = spans[i]
+            s = arrays[i]
+            if causal:
+                np.copyto(s[..., end - (b - a):], -np.inf, where=_upper(b - a))
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp2(s, out=s)  # log2 e is folded into the queries
+            s /= s.sum(axis=-1, keepdims=True)
+
+    firsts = np.cumsum([0] + [len(todo) for todo in plan])
+    list(_cpu.pool().map(softmax, [range(firsts[i], firsts[i + 1]) for i in range(len(plan))]))
+    outs = {a: (p.reshape(B, H, g * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, D)
+            for p, (a, b, end) in zip(scores, spans)}
+    return mx.concatenate([outs[a] for a in sorted(outs)], axis=2)
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
