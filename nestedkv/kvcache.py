@@ -13,6 +13,8 @@ Quantized KV (``press.kv_bits``): once compression has chosen the rows (scored o
 becomes a ``(packed, scales, biases)`` triple of ``mx.quantize`` with the same row layout, rows appended later
 are quantized as they arrive, and the cache carries ``bits``/``group_size`` so that mlx-lm's attention (and
 ``attention.attention``) use ``quantized_scaled_dot_product_attention``, as for its ``QuantizedKVCache``.
+With ``press.kv_hadamard`` the keys are rotated (``buffers.hadamard``) before they are quantized, and
+``attention.attention`` rotates the queries alike; mlx-lm's own attention is then refused.
 """
 
 from __future__ import annotations
