@@ -22,7 +22,7 @@ def press_grid(press: dict) -> dict:
     for name, field in PressSettings.model_fields.items():
         if name in FIXED_FIELDS:
             continue
-        raw = press[name]
+        raw = press.get(name)  # a setting the caller does not pass takes the spec's default
         if name == "kv_bits":  # 16 and none are words for "not quantized"
             values = [parse_kv_bits(b) for b in (raw or "none").split(",") if b.strip()]
         else:
