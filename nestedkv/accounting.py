@@ -41,6 +41,46 @@ class LayerMemory:
         return [f.name for f in fields(cls)]
 
 
+def _dims(b, bits):
+    """(head dim, model dtype) of a K or V buffer."""
+    if isinstance(b, tuple):  # packed uint32 words of 32 / bits values, scales in the model's dtype
+        return b[0].shape[3] * 32 // bits, b[1].dtype
+    return b.shape[3], b.dtype
+
+
+def layer_memory(c, layer: int) -> LayerMemory:
+    """Accounting for one NestedKVCache layer in its real dtype."""
+    import mlx.core as mx  # here, not at import: this module is read before the CPU fast path may load mlx
+
+    from nestedkv import buffers as buf
+
+    if c.empty():
+        return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
+    k0, v0 = c.layout.buffers()
+    B, H = c.layout.batch_heads
+    bits = getattr(c, "bits", None)
+    (dk, dtype), (dv, _) = _dims(k0, bits), _dims(v0, bits)
+    # full: the model's dtype uncompressed; kept: rows as stored (quantized: packed values + scales + biases)
+    full_row = (dk + dv) * dtype.size
+    row_bytes = sum(x.shape[3] * x.dtype.size for x in buf.parts(k0) + buf.parts(v0))
+    tail = c.stored - c.n_ctx_rows if c.kept is not None else 0
+    kept = c.kept if c.kept is not None else mx.full((B, H), c.stored, dtype=mx.int32)
+    seen = c.context_len + tail if c.compressed else c.offset
+    return LayerMemory(
+        layer=layer,
+        n_kv_heads=H,
+        head_dim=dk,
+        dtype=str(dtype).removeprefix("mlx.core."),
+        tokens_seen=c.context_len if c.compressed else c.offset,
+        kept_min=int(mx.min(kept).item()),
+        kept_max=int(mx.max(kept).item()),
+        kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),
+        bytes_full=B * H * seen * full_row,
+        bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
+        bytes_resident=c.nbytes,
+    )
+
+
 def layer_stats(cache) -> list[LayerMemory]:
     """One ``LayerMemory`` per layer of a cache list made by ``make_cache``."""
     return [c.memory(i) for i, c in enumerate(cache)]

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 
 import nestedkv.attention as _attention
 from nestedkv import buffers as buf
-from nestedkv.accounting import LayerMemory
+from nestedkv.accounting import LayerMemory, layer_memory
 from nestedkv.activations import install_swiglu_hook
 from nestedkv.attention import install_attention_hook
 from nestedkv.buffers import check_divides
@@ -367,36 +367,7 @@ class NestedKVCache(KVCache):
 
     def memory(self, layer: int) -> LayerMemory:
         """Accounting for this layer in its real dtype (see LayerMemory)."""
-        if self.empty():
-            return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
-        k0, v0 = self.layout.buffers()
-        B, H = self.layout.batch_heads
-        (dk, dtype), (dv, _) = self._dims(k0), self._dims(v0)
-        # full: the model's dtype uncompressed; kept: rows as stored (quantized: packed values + scales + biases)
-        full_row = (dk + dv) * dtype.size
-        row_bytes = sum(x.shape[3] * x.dtype.size for x in buf.parts(k0) + buf.parts(v0))
-        tail = self.stored - self.n_ctx_rows if self.kept is not None else 0
-        kept = self.kept if self.kept is not None else mx.full((B, H), self.stored, dtype=mx.int32)
-        seen = self.context_len + tail if self.compressed else self.offset
-        return LayerMemory(
-            layer=layer,
-            n_kv_heads=H,
-            head_dim=dk,
-            dtype=str(dtype).removeprefix("mlx.core."),
-            tokens_seen=self.context_len if self.compressed else self.offset,
-            kept_min=int(mx.min(kept).item()),
-            kept_max=int(mx.max(kept).item()),
-            kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),
-            bytes_full=B * H * seen * full_row,
-            bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
-            bytes_resident=self.nbytes,
-        )
-
-    def _dims(self, b):
-        """(head dim, model dtype) of a K or V buffer."""
-        if isinstance(b, tuple):  # packed uint32 words of 32 / bits values, scales in the model's dtype
-            return b[0].shape[3] * 32 // self.bits, b[1].dtype
-        return b.shape[3], b.dtype
+        return layer_memory(self, layer)
 
 
 # load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
