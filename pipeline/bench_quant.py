@@ -156,8 +156,8 @@ def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_
         speed_docs: int = 1, decode_tokens: int = 64, error_docs: int = 5, error_input: str = DEFAULT_INPUT,
         out: Optional[str] = None,
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
-    """Both parts (``docs`` or ``speed_docs`` 0: that part skipped), each figure through ``log`` as it comes
-    (and all of them to ``out`` as JSON)."""
+    """The three parts (``docs``, ``speed_docs`` or ``error_docs`` 0: that part skipped), each figure through
+    ``log`` as it comes (and all of them to ``out`` as JSON)."""
     from pipeline.documents import load_documents
     from pipeline.engine import make_runner
 

@@ -85,10 +85,11 @@ def quality_rows(store: Store) -> list[dict]:
     return sorted(rows, key=_order)
 
 
-def kv_label(row: dict) -> Optional[str]:
-    """The KV width as the report writes it: ``4``, or ``4 plain`` for keys quantized unrotated."""
+def kv_label(row: dict, unit: str = "") -> Optional[str]:
+    """The KV width as the report writes it: ``4`` (``unit`` after the number), then ``plain`` for keys
+    quantized unrotated."""
     bits = row.get("kv_bits")
-    return None if not bits else f"{bits}{' plain' if row.get('kv_plain') else ''}"
+    return None if not bits else f"{bits}{unit}{' plain' if row.get('kv_plain') else ''}"
 
 
 def _fmt(value, fmt: str) -> str:
@@ -192,7 +193,7 @@ def _num(v) -> float:
 
 
 def _label(row: dict) -> str:
-    bits = f" {row['kv_bits']}-bit KV{' plain' if row.get('kv_plain') else ''}" if row.get("kv_bits") else ""
+    bits = f" {kv_label(row, '-bit KV')}" if row.get("kv_bits") else ""
     return (row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})") + bits
 
 

@@ -456,10 +456,9 @@ def test_rotated_keys_refuse_a_model_that_is_not_routed(monkeypatch):
     other = model64()
     with pytest.raises(RuntimeError, match="Hadamard rotation"):
         other(toks(3, seed=1)[None], cache=cache)
-    monkeypatch.setattr(nkv_attention, "install_attention_hook", lambda m, required=True: False)
     import nestedkv.kvcache as kvcache
 
-    monkeypatch.setattr(kvcache, "install_attention_hook", lambda m, required=True: False)
+    monkeypatch.setattr(kvcache, "install_attention_hook", lambda m, required=True: False)  # as make_cache calls it
     with pytest.raises(ValueError, match="kv_hadamard=False"):
         make_cache(model64(), NoPress(kv_bits=4))
     assert make_cache(model64(), NoPress(kv_bits=4, kv_hadamard=False))  # mlx-lm's own layout needs no routing
