@@ -10,6 +10,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 QUERY_TIMEOUT_S = 60.0  # interactive: a query that runs longer is most likely a mistake (--timeout 0: none)
+# After a stop, how long the worker may take to notice. DuckDB drops an interrupt that lands before its
+# statement starts, so the stop is repeated every STOP_POLL_S until the worker is gone.
+STOP_WAIT_S = 5.0
+STOP_POLL_S = 0.02
 
 
 class QueryStopped(Exception):
@@ -32,6 +36,8 @@ def background_query(store, sql: str, timeout: float) -> Iterator[tuple]:
                 continue
 
     def produce() -> None:
+        if stop.is_set():
+            return
         try:
             schema, batches = store.stream(sql)
         except BaseException as exc:  # handed to the main thread, which reports it
@@ -74,12 +80,20 @@ def background_query(store, sql: str, timeout: float) -> Iterator[tuple]:
             yield value
 
     worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
-    worker.start()
-    try:
+    try:  # started inside: a Ctrl-C right after the start still stops it
+        worker.start()
         _, schema = take()
         yield schema, batches()
     finally:
         stop.set()
-        if worker.is_alive():
-            store.interrupt()
-        worker.join(10)
+        stop_worker(worker, store.interrupt)
+
+
+def stop_worker(worker: threading.Thread, interrupt) -> bool:
+    """Interrupt until ``worker`` ends (at most ``STOP_WAIT_S``): one interrupt can land before the
+    statement starts, where DuckDB forgets it. False when the worker still runs."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while worker.is_alive() and time.monotonic() < deadline:
+        interrupt()
+        worker.join(STOP_POLL_S)
+    return not worker.is_alive()

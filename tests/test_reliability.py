@@ -1167,35 +1167,6 @@ def test_wait_that_expires_is_one_error_after_the_progress_lines(tmp_path, monke
     ctx.unchanged()
 
 
-def test_ctrl_c_interrupts_a_running_query(tmp_path):
-    """Ctrl-C while DuckDB computes: the query stops at once (con.interrupt), one line, exit 130."""
-    import _thread
-
-    import pipeline.store as store_mod
-
-    db = tmp_path / "runs.duckdb"
-    Store(db).close()
-    real, started = store_mod.Store.stream, threading.Event()
-
-    def stream(self, sql, *a, **kw):
-        started.set()
-        return real(self, sql, *a, **kw)
-
-    def ctrl_c():
-        started.wait(30)
-        time.sleep(0.3)  # into the count, which alone would run for hours
-        _thread.interrupt_main()  # what SIGINT does to the main thread
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(store_mod.Store, "stream", stream)
-        threading.Thread(target=ctrl_c, daemon=True).start()
-        t0 = time.monotonic()
-        res = invoke(["query", "SELECT count(*) FROM range(10000000000000)", "--db", str(db), "--timeout", "0"])
-    assert res.exit_code == 130, res.output
-    assert time.monotonic() - t0 < 20  # not the hours the count would take
-    one_error_line(res, ["interrupted"])
-
-
 def test_query_results_reach_the_writer_in_batches(tmp_path, monkeypatch):
     """A large result is written as it is read, never held whole: the JSON writer gets bounded batches."""
     import flows.output as output

@@ -105,6 +105,19 @@ def user_errors():
         fail(str(exc))
 
 
+@contextmanager
+def interrupted_exits(what: str):
+    """Ctrl-C anywhere inside (opening the store, the statement, writing rows, closing): one line, exit 130."""
+    from pipeline.store.errors import is_interrupt
+
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError, OSError) as exc:
+        if not is_interrupt(exc):
+            raise
+        fail(f"{what} interrupted (Ctrl-C)", 130)
+
+
 def progress_bars() -> Progress:
     return Progress(
         TextColumn("{task.description}"),

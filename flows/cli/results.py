@@ -6,14 +6,15 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from flows.cli.common import DbOpt, app, fail, out_console, print_result, print_table, say, spec_option, user_errors
+from flows.cli.common import (DbOpt, app, fail, interrupted_exits, out_console, print_result, print_table, say,
+                              spec_option, user_errors)
 from flows.output import plain
 from flows.query import QUERY_TIMEOUT_S
 from pipeline.config import EVAL_DB
 
 def run_query(store, sql: str, fmt: str, timeout: float) -> None:
-    """Write the query's batches here as they come (``flows.query``); Ctrl-C or ``timeout`` stop it. A table
-    shows the first rows only, and then the query is stopped as well."""
+    """Write the query's batches here as they come (``flows.query``); ``timeout`` stops it. A table shows
+    the first rows only, and then the query is stopped as well."""
     from flows.output import TABLE_ROWS
     from flows.query import QueryStopped, background_query
 
@@ -21,8 +22,6 @@ def run_query(store, sql: str, fmt: str, timeout: float) -> None:
         with background_query(store, sql, timeout) as (schema, batches):
             if print_result(schema, batches, fmt):
                 say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
-    except KeyboardInterrupt:
-        fail("query interrupted (Ctrl-C)", 130)
     except QueryStopped as exc:
         fail(str(exc), 1)
     except BrokenPipeError:  # the reader went away (| head): stop quietly
@@ -49,8 +48,9 @@ def query(
     from pipeline import store as store_mod
 
     # A batch writing the store holds it only while it stores a document: wait that out.
-    with user_errors(), Store(db, read_only=True, wait_s=store_mod.READER_WAIT_S) as store:
-        run_query(store, sql, format, timeout)
+    with interrupted_exits("query"), user_errors():
+        with Store(db, read_only=True, wait_s=store_mod.READER_WAIT_S) as store:
+            run_query(store, sql, format, timeout)
 
 
 @app.command()

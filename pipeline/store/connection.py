@@ -30,6 +30,7 @@ _LOCK_BACKOFF_S = (0.1, 5.0)  # first pause, longest pause between tries of a he
 # Between them, readers may hold the file: the writer waits for them (a query stops at its --timeout).
 REOPEN_WAIT_S = 600.0
 REOPEN_BACKOFF_S = (0.02, 0.5)
+CLOSE_WAIT_S = 10.0  # how long closing waits for a statement on another thread
 READER_WAIT_S = 10.0  # how long ``nkv query`` waits for a batch's transaction to end (milliseconds, usually)
 # A lake transaction that lost a commit race to another writer is re-run: first pause, longest pause, tries.
 _COMMIT_RETRY = (0.05, 2.0, 30)
@@ -222,11 +223,18 @@ class Connection:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
-        with self._lock:
+        # A reader's statement that ignored every interrupt still holds the connection: the process may
+        # exit without waiting on it. A writer waits for its transaction.
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S if self.read_only else -1):
+            log.warning("%s: a statement still holds the connection; not waiting to close it", self.path)
+            return
+        try:
             if self._con is not None:
                 self._con.close()
                 self._con = None
             self._drop_writer_lock()
+        finally:
+            self._lock.release()
         if self.commit_retries:  # routine one by one (logged at info), worth one line when the store closes
             log.warning("%s: %d commits lost a race with another writer and were retried (nothing lost)",
                         self.path, self.commit_retries)

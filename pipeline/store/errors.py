@@ -19,3 +19,11 @@ class StoreLockedError(StoreError):
 def one_line(e) -> str:
     """The first line of an error or a message (an exception without text: its type's name)."""
     return (str(e).strip().splitlines() or [type(e).__name__ if isinstance(e, BaseException) else ""])[0]
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """Ctrl-C, as it may reach us through DuckDB: its Python client takes a pending SIGINT itself (inside a
+    call on the main thread) and raises "Query interrupted" in its place; a stopped stream is an OSError."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    return isinstance(e, (RuntimeError, OSError)) and "interrupt" in one_line(e).lower()
