@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from test_lake import lake_unavailable
+from test_lake import lake_unavailable, skip_missing
 from test_serve import NKV, PREFECT, clean_env, free_port, get, start, stop, wait_for
 from tiny import sample_docs, save_tiny_model_dir, write_batch
 
@@ -37,13 +37,13 @@ def as_postgres_user():
     if os.geteuid() != 0:
         return []
     if shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: cannot start PostgreSQL as another user")
+        skip_missing("running as root without runuser: cannot start PostgreSQL as another user")
     try:
         import pwd
 
         pwd.getpwnam("postgres")
     except KeyError:
-        pytest.skip("running as root and there is no postgres user to run PostgreSQL as")
+        skip_missing("running as root and there is no postgres user to run PostgreSQL as")
     return ["runuser", "-u", "postgres", "--"]
 
 
@@ -113,10 +113,10 @@ def test_two_workers_fill_one_lake_and_survive_a_killed_worker(tmp_path):
 
     bindir = pg_bindir()
     if bindir is None or not (bindir / "initdb").exists():
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
+        skip_missing("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
     why = lake_unavailable("ducklake", "postgres_scanner")
     if why:
-        pytest.skip(why)
+        skip_missing(why)
 
     t0 = time.monotonic()
     pg = Postgres(bindir)
