@@ -6,9 +6,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import typer
+from rich.text import Text
 
-from flows.cli.common import invalid, markup_safe, print_table, printable_prefect_logs, progress_bars, say, split_list
+from flows.cli.common import (invalid, markup_safe, out_console, print_table, printable_prefect_logs, progress_bars,
+                              say, split_list)
+from flows.output import plain
 from pipeline.config import BatchOptions, PressSettings, parse_kv_bits, parse_press_param
+from pipeline.results import OK
 from pipeline.spec import FIXED_FIELDS, BatchSpec, scalar_type
 
 # Without values these are an error the spec names (nothing to run); the other press options fall back to
@@ -89,8 +93,26 @@ def print_savings(savings: list[dict]) -> None:
         print_table(pa.Table.from_pylist(savings), title="memory savings")
 
 
+OUTPUT_CHARS = 100  # of each document's output in the closing lines; the store holds it whole
+
+
+def output_line(outcome, with_config: bool) -> str:
+    """One document's result in a line: the start of its summary or answers, or why it failed."""
+    res = outcome.result
+    head = res.doc_id + (f" [{outcome.config.label()}]" if with_config else "")
+    if res.status != OK:
+        return f"{head}: {res.status}: {res.error or ''}"
+    parts = [q.output if q.status == OK else f"({q.status})" for q in res.questions]
+    text = " | ".join(" ".join(p.split()) for p in parts)
+    cut = text if len(text) <= OUTPUT_CHARS else text[: OUTPUT_CHARS - 3].rstrip() + "..."
+    return f"{head}: {cut}"
+
+
 def print_summary(summary, db: str) -> None:
     print_input_errors(summary.input_errors)
+    with_config = len(summary.runs) > 1
+    for outcome in summary.outcomes:
+        out_console.print(Text(plain(output_line(outcome, with_config))), soft_wrap=True, highlight=False)
     say(
         f"{len(summary.runs)} runs, {summary.n_processed} documents prefilled once each, {summary.n_ok} done, "
         f"{summary.n_failed} failed, {summary.n_skipped} already done, {len(summary.input_errors)} bad rows -> {db}")
