@@ -410,6 +410,17 @@ def parses_as(fmt: str):
     return check
 
 
+def prints_what_it_made(ctx, res) -> None:
+    """stdout (a pipe here): one line per document, then the memory table with every column, uncut."""
+    from pipeline.engine import SAVINGS_COLUMNS
+
+    lines = res.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == list(GOOD), res.stdout
+    assert all(len(line.split(": ", 1)[1]) > 0 for line in lines[:2]), res.stdout
+    header = next(line for line in lines if "run_id" in line)
+    assert all(f" {c} " in header for c in SAVINGS_COLUMNS), header
+
+
 CASES = [
     # ---- the input as a whole: one line, exit 2, nothing created
     error("input-missing", RUN, "no such file",
@@ -451,6 +462,7 @@ CASES = [
        bad_rows=1, bad_field="doc_id"),
     ok("row-doc_id-blank", RUN, "must not be empty", setup=batch({"doc_id": " ", "text": "some text"}),
        bad_rows=1, bad_field="doc_id"),
+    ok("prints-outputs-and-whole-table", RUN, setup=batch(), check=prints_what_it_made),
     ok("row-duplicate-doc_id", RUN, "duplicate doc_id", setup=batch({"doc_id": "doc-0", "text": "other text"}),
        bad_rows=1, bad_field="doc_id"),
     ok("row-answers-not-aligned", run_with("--task", "qa"), "1 answers for 2 questions",

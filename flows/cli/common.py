@@ -20,8 +20,8 @@ from pipeline.spec import BatchSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
 console = Console(stderr=True)
-# Tables go to stdout; piped output gets a wide console instead of rich's 80-column default.
-out_console = Console(width=None if sys.stdout.isatty() else 160)
+# Tables go to stdout; piped output gets each table at its own width (no column lost to a default 80).
+out_console = Console(width=None if sys.stdout.isatty() else 100_000)
 
 
 def spec_option(name: str, default=None, help: Optional[str] = None):
