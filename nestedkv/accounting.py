@@ -65,13 +65,13 @@ def layer_memory(c, layer: int) -> LayerMemory:
     row_bytes = sum(x.shape[3] * x.dtype.size for x in buf.parts(k0) + buf.parts(v0))
     tail = c.stored - c.n_ctx_rows if c.kept is not None else 0
     kept = c.kept if c.kept is not None else mx.full((B, H), c.stored, dtype=mx.int32)
-    seen = c.context_len + tail if c.compressed else c.offset
+    seen = c.context_len + tail if c.compressed else c.positions_seen
     return LayerMemory(
         layer=layer,
         n_kv_heads=H,
         head_dim=dk,
         dtype=str(dtype).removeprefix("mlx.core."),
-        tokens_seen=c.context_len if c.compressed else c.offset,
+        tokens_seen=c.context_len if c.compressed else c.positions_seen,
         kept_min=int(mx.min(kept).item()),
         kept_max=int(mx.max(kept).item()),
         kept_mean=float(mx.mean(kept.astype(mx.float32)).item()),

@@ -25,11 +25,15 @@ from nestedkv.press import BasePress
 from nestedkv.rope import model_rope
 
 
-def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None) -> list[NestedKVCache]:
+def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None,
+               positions: Optional[int] = None) -> list[NestedKVCache]:
     """One NestedKVCache per layer; a drop-in ``prompt_cache`` for mlx-lm.
 
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
+    ``positions``: read a streaming document of any length within this many rope positions (the model's
+    window less the room its question and answer need): each head keeps at most ``positions`` less two
+    chunks, and the kept rows are moved to positions 0..R-1 whenever the next chunk would pass the limit.
 
     Routes this model instance's attention through ``attention.attention`` where it can (required for
     adaptive budgets) and its SwiGLU through ``activations.swiglu``, whatever cache it runs with; other
@@ -48,12 +52,19 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
             )
     if press is not None and press.kv_bits is not None:
         check_group_size(model, press.kv_group_size, press.kv_hadamard)
+    if positions is not None and (press is None or press.prefill != "streaming"):
+        raise ValueError("positions (reading past the window) needs a press with prefill='streaming': only "
+                         "eviction while prefilling keeps a document of any length within the window")
     rotated = press is not None and press.kv_bits is not None and press.kv_hadamard
     if not route(model, required=press is not None and press.head_budget == "adaptive") and rotated:
         raise ValueError(f"kv_hadamard needs a model whose attention calls mlx-lm's scaled_dot_product_attention "
                          f"(the queries are rotated there); {type(model).__module__} does not: quantize "
                          "with kv_hadamard=False")
-    return _bind([NestedKVCache(press, context_len) for _ in defaults], model, press)
+    cache = _bind([NestedKVCache(press, context_len, positions) for _ in defaults], model, press)
+    if positions is not None and cache[0].rope_spec is None:
+        raise ValueError(f"reading past the window moves keys to new rope positions: the model "
+                         f"{type(model).__name__} has no rope module this can be done with")
+    return cache
 
 
 def _bind(cache: list, model, press: Optional[BasePress]) -> list:

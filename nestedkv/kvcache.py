@@ -4,10 +4,10 @@ prefill chunk (``prefill="whole"``), or also while the context arrives (``prefil
 ``offset`` is the true number of positions seen (RoPE reads it); ``stored`` is the row count of the longest
 head, ``n_ctx_rows`` its context rows. The rows live in a layout (``layouts.py``): dense, padded, or per head.
 
-Streaming (see ``streaming.py``): before a chunk is appended, a layer whose stored rows exceed the budget is
-scored and evicted down to it, so it never holds more than budget + chunk rows per head (per layer on average
-under adaptive budgets) and the chunk attends to the kept rows only. ``compress`` then brings it to exactly
-the final budget.
+Past the window (``positions``, ``eviction.py``): ``offset`` is the rope position of the next token, which
+can be less than the positions seen (``positions_seen``).
+
+Streaming: eviction while the context arrives is ``eviction.py``; the scoring state, ``streaming.py``.
 
 Quantized KV (``press.kv_bits``): once compression has chosen the rows (scored on the real keys), every buffer
 becomes a ``(packed, scales, biases)`` triple of ``mx.quantize`` with the same row layout, rows appended later
@@ -35,6 +35,7 @@ from nestedkv.attention import install_attention_hook
 from nestedkv.buffers import check_divides
 from nestedkv.layouts import Dense, PerHead, pad_valid
 from nestedkv.press import BasePress, NoPress
+from nestedkv import eviction
 from nestedkv.rope import from_description as rope_from_description
 from nestedkv.streaming import StreamState
 
@@ -56,6 +57,9 @@ def _layout_field(name: str, writable: bool = False):
 class NestedKVCache(KVCache):
     step = KVCache.step
     rope_spec: Optional[dict] = None  # the model's rope (nestedkv.rope.describe), for unrotated scoring
+    positions: Optional[int] = None  # rope positions the context may use (past the window), or None
+    _chunk = 0  # the largest chunk seen (past the window: the room the next one needs)
+    _reposition = False  # the next read of ``offset`` moves the rows first
 
     keys, values, valid = (_layout_field(n, writable=True) for n in ("keys", "values", "valid"))
     flat_keys, flat_values, head_rows, head_cap = map(_layout_field, ("flat_keys", "flat_values", "head_rows",
@@ -65,13 +69,15 @@ class NestedKVCache(KVCache):
     def unrope(self):
         return None if self.rope_spec is None else rope_from_description(self.rope_spec)
 
-    def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None):
+    def __init__(self, press: Optional[BasePress] = None, context_len: Optional[int] = None,
+                 positions: Optional[int] = None):
         if press is not None and not isinstance(press, BasePress):
             raise TypeError(f"press must be a nestedkv press (e.g. NestedKVPress), got {type(press).__name__}")
         self.layout = Dense()
         self.offset = 0
         self.press = press or NoPress()
         self.planned_len = check_context_len(context_len)  # the document's token count, for streaming
+        self.positions = check_context_len(positions)
         self.stored = 0
         self.context_len: Optional[int] = None  # positions compressed; None until compressed
         self.n_ctx_rows = 0
@@ -83,6 +89,25 @@ class NestedKVCache(KVCache):
     @property
     def compressed(self) -> bool:
         return self.context_len is not None
+
+    # The model reads ``offset`` for the rope of the next chunk before handing that chunk over: a pending
+    # move of the rows (past the window) happens then, between the chunks.
+    @property
+    def offset(self) -> int:
+        if self._reposition:
+            self._move_rows()
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self._offset = value
+
+    @property
+    def positions_seen(self) -> int:
+        """Context positions fed so far (``offset`` once rows were moved to fit the window is less)."""
+        if self.context_len is not None:
+            return self.context_len
+        return self.stream.seen if self.stream is not None else self._offset
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -98,12 +123,14 @@ class NestedKVCache(KVCache):
         elif self.quantized and self.hadamard:
             _attention.check_caller_routed("holds keys quantized after a Hadamard rotation (kv_hadamard)")
         if not self.compressed and self.press.prefill == "streaming":
-            self._stream_step(keys)
+            eviction.stream_step(self, keys)
         if self.quantized:  # after the compress above: new rows join the kept ones quantized
             keys, values = self._quantize(keys, rotate=self.hadamard), self._quantize(values)
         self.layout.append(keys, values, self.stored, self.n_ctx_rows, self.step)
         self.stored += n_new
-        self.offset += n_new
+        self._offset += n_new
+        if self.stream is not None and self.positions is not None:
+            self._reposition = self._offset + self._chunk > self.positions
         self._note_peak()
         return self.keys_and_values()
 
@@ -140,7 +167,7 @@ class NestedKVCache(KVCache):
         if self.stream is not None and n:
             raise ValueError("trim during a streaming prefill is not supported: compress first")
         self.stored -= n
-        self.offset -= n
+        self._offset -= n
         return n
 
     def rewind(self) -> int:
@@ -256,35 +283,13 @@ class NestedKVCache(KVCache):
     # -- compression -----------------------------------------------------------------------
     def _keep(self) -> Optional[int]:
         """Rows per head a streaming press keeps (None: nothing to evict). Ratios apply to the planned length;
-        without one only an absolute budget can stream (checked in ``_stream_step``)."""
+        without one only an absolute budget can stream (checked in ``eviction.stream_step``). Past the
+        window no head keeps more than ``eviction.row_cap``."""
         n = self.planned_len if self.planned_len is not None else sys.maxsize
-        return self.press.n_keep(n)
-
-    def _stream_step(self, keys) -> None:
-        """Before appending a chunk: fold it into the running statistics, then evict the stored rows down to
-        the budget when they exceed it, so this chunk attends to kept rows only (<= budget + chunk rows)."""
-        if self.planned_len is None and self.press.budget is None and self.press.compression_ratio > 0:
-            raise ValueError(
-                f"streaming prefill with compression_ratio={self.press.compression_ratio} needs the document's "
-                "token count: make_cache(model, press, context_len=N)"
-            )
-        if self.planned_len is not None and self.offset + keys.shape[2] > self.planned_len:
-            raise ValueError(
-                f"streaming prefill: context_len={self.planned_len} was planned but "
-                f"{self.offset + keys.shape[2]} positions were fed"
-            )
-        keep = self._keep()
-        if keep is None:
-            return  # nothing will ever be evicted: plain appends, bit-identical to KVCache
-        if self.stream is None:
-            if self.stored:
-                raise ValueError("a streaming press must see the context from its first chunk (clone it earlier)")
-            self.stream = StreamState(self.press, self.planned_len)
-        new = self.stream.observe(keys, self.unrope)
-        if self._rows_kept() > keep * keys.shape[1]:
-            self._evict(keep)
-        self.stream.append(new)
-        mx.eval(self.stream.arrays())
+        keep = self.press.n_keep(n)
+        if self.positions is None:
+            return keep
+        return min(n if keep is None else keep, eviction.row_cap(self))
 
     def _rows_kept(self) -> int:
         """Real (head, row) pairs stored, over all heads of batch entry 0."""
@@ -302,7 +307,8 @@ class NestedKVCache(KVCache):
 
     def _select_stored(self, keep: int):
         keys, values, valid = self._rows()
-        sel = self.press.select_scores(self.stream.scores(keys, valid, self.unrope), keep)
+        scores = self.stream.scores(keys, valid, self.unrope)
+        sel = self.press.select_scores(scores, keep, cap=eviction.row_cap(self))
         return keys, values, sel
 
     def _evict(self, keep: int) -> None:
@@ -311,6 +317,9 @@ class NestedKVCache(KVCache):
         self._gather(keys, values, sel)
         self.stream.take(sel.indices)
         self._unpad()  # ragged heads hold their rows unpadded between evictions too
+
+    def _move_rows(self) -> None:
+        eviction.move_rows(self)
 
     def _gather(self, keys, values, sel) -> None:
         idx = sel.indices[..., None]
@@ -334,7 +343,7 @@ class NestedKVCache(KVCache):
             raise ValueError("compress() called on an empty cache: prefill the context first")
         n = self.stored
         streamed = self.stream is not None and self.stream.evicted
-        self.context_len = self.offset
+        self.context_len = self.positions_seen
         sel = None
         if not streamed:
             # Nothing evicted yet: every key of the context is here, score it whole (exact).
@@ -344,6 +353,13 @@ class NestedKVCache(KVCache):
             keep = self._keep()
             if keep is not None and self._rows_kept() > keep * self.kept.shape[1]:
                 keys, values, sel = self._select_stored(keep)
+            if self.positions is not None:  # the question follows the kept rows at their positions 0..R-1
+                if sel is not None:
+                    self._gather(keys, values, sel)
+                    self.stream.take(sel.indices)
+                    sel = None
+                self._move_rows()
+                n = self.stored
         self.stream = None
         if sel is not None:
             self._gather(keys, values, sel)

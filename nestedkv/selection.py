@@ -81,7 +81,7 @@ def topk_mask(scores: mx.array, k: int) -> mx.array:
     return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
 
 
-def _ascending_positions(mask: mx.array, k: int) -> tuple[mx.array, mx.array]:
+def ascending_positions(mask: mx.array, k: int) -> tuple[mx.array, mx.array]:
     n = mask.shape[-1]
     pos = mx.arange(n, dtype=mx.int32)
     # Kept positions sort first (ascending); dropped ones are pushed past n.
@@ -97,12 +97,14 @@ def select(
     *,
     n_sink: int = N_SINK,
     safeguard: float = SAFEGUARD,
+    cap: Optional[int] = None,
 ) -> Selection:
     """Keep ``keep`` rows per head (uniform) or ``H * keep`` per layer shared by heads (adaptive).
 
     Adaptive follows the paper's head-wise competition (same rule as kvpress AdaKV): each head
     first reserves its top ``int(safeguard * keep)`` rows, then all remaining (head, position)
-    pairs of the layer compete for the rest of the layer budget.
+    pairs of the layer compete for the rest of the layer budget. ``cap``: no head keeps more rows than
+    this (its best ones), e.g. so that every head's rows fit the model's positions.
     """
     if scores.ndim != 3:
         raise ValueError(f"scores must have shape [B, H, N], got {tuple(scores.shape)}")
@@ -112,15 +114,17 @@ def select(
         raise ValueError(f"keep must be in [1, N={N}], got {keep}")
     pinned = pin_sinks(scores.astype(mx.float32), n_sink)
     if head_budget == "uniform":
-        idx, _ = _ascending_positions(topk_mask(pinned, keep), keep)
+        idx, _ = ascending_positions(topk_mask(pinned, keep), keep)
         return Selection(idx, mx.full((B, H), keep, dtype=mx.int32))
     n_safe = int(keep * safeguard)
     if n_safe > 0:
         pinned = mx.where(topk_mask(pinned, n_safe), mx.inf, pinned)
     mask = topk_mask(pinned.reshape(B, H * N), H * keep).reshape(B, H, N)
+    if cap is not None and cap < N:  # a head's kept rows are its best: the cap keeps the best of those
+        mask = mask & topk_mask(pinned, max(cap, keep))
     counts = mx.sum(mask, axis=-1).astype(mx.int32)
     k_max = int(mx.max(counts).item())
-    idx, valid = _ascending_positions(mask, k_max)
+    idx, valid = ascending_positions(mask, k_max)
     if bool(mx.all(valid).item()):
         return Selection(idx, counts)
     return Selection(idx, counts, valid)

@@ -111,20 +111,35 @@ class StreamState:
         self.press, self.scorer = press, scorer
         self.seen = 0  # positions observed
         self.evicted = False
-        self.rows: dict[str, Optional[mx.array]] = {k: None for k in ("pos", *scorer.features)}  # each [B,H,R]
+        # pos: each row's position in the document; rot: the position its key is rotated by (the same
+        # until ``reposition`` moves the rows to fit the model's window). Each [B,H,R].
+        self.rows: dict[str, Optional[mx.array]] = {k: None for k in ("pos", "rot", *scorer.features)}
 
     # -- feeding ---------------------------------------------------------------------------------
-    def observe(self, keys: mx.array, unrope=None) -> dict:
+    def observe(self, keys: mx.array, unrope=None, rot0: Optional[int] = None) -> dict:
         """Update the running statistics with a new chunk ``[B,H,n,D]``; return the new rows' features (append
         them with ``append`` once the old rows are evicted). ``unrope``: the model's inverse rope, for a press
-        that scores unrotated keys."""
+        that scores unrotated keys; ``rot0``: the position the chunk's first key is rotated by (default: its
+        position in the document)."""
         B, H, n, _ = keys.shape
         p0 = self.seen
+        rot0 = p0 if rot0 is None else rot0
         self.seen += n
-        new = {"pos": mx.broadcast_to(mx.arange(p0, p0 + n, dtype=mx.int32), (B, H, n))}
+        new = {k: mx.broadcast_to(mx.arange(a, a + n, dtype=mx.int32), (B, H, n)) for k, a in (("pos", p0),
+                                                                                             ("rot", rot0))}
         if self.press.unrotate:  # the scorers see the chunk as they see the stored rows in ``scores``
-            keys = required(unrope, self.press.name)(keys, p0)
+            keys = required(unrope, self.press.name)(keys, rot0)
         return {**new, **self.scorer.observe(keys, p0, self.rows)}
+
+    def reposition(self, keys: mx.array, unrope) -> mx.array:
+        """The stored rows' keys ``[B,H,R,D]`` rotated to positions 0..R-1 in row order (StreamingLLM's
+        positions within the cache), so that a document longer than the model's window never reaches a
+        position beyond it; the rotation is done in fp32, and rows that do not move are left exact."""
+        slots = mx.broadcast_to(mx.arange(keys.shape[2], dtype=mx.int32), self.rows["rot"].shape)
+        back = mx.maximum(self.rows["rot"] - slots, 0)  # rows keep their order, so no row moves forward
+        moved = at_positions(required(unrope, "reposition"), keys.astype(mx.float32), back).astype(keys.dtype)
+        self.rows["rot"] = slots
+        return mx.where((back > 0)[..., None], moved, keys)
 
     def append(self, new: dict) -> None:
         for k, v in new.items():
@@ -151,7 +166,7 @@ class StreamState:
     def scores(self, keys: mx.array, valid: Optional[mx.array], unrope=None) -> mx.array:
         """Scores ``[B,H,R]`` of the stored rows ``keys`` [B,H,R,D]; invalid (padded) rows get -inf."""
         if self.press.unrotate:
-            keys = at_positions(required(unrope, self.press.name), keys, self.rows["pos"])
+            keys = at_positions(required(unrope, self.press.name), keys, self.rows["rot"])
         s = self.scorer.scores(keys, self.rows, valid)
         return s if valid is None else mx.where(valid, s, -mx.inf)
 
@@ -166,5 +181,7 @@ class StreamState:
         s = cls.__new__(cls)
         s._start(press, press.stream_scorer.from_state(press, state))
         s.seen, s.evicted = int(state["seen"]), bool(state["evicted"])
-        s.rows = {k: state[f"row_{k}"] for k in s.rows}
+        s.rows = {k: state.get(f"row_{k}") for k in s.rows}
+        if s.rows["rot"] is None:  # saved before rows could be repositioned: rotated by their positions
+            s.rows["rot"] = s.rows["pos"]
         return s

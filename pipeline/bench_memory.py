@@ -46,7 +46,7 @@ def measure(model_ref: str, lengths: list[int], budget: int, ratio: float, chunk
     from pipeline.config import RunConfig
     from pipeline.engine import make_runner
     from pipeline.results import DocumentResult, QuestionResult
-    from pipeline.runner import PreparedDocument
+    from pipeline.window import PreparedDocument
     from pipeline.prompts import encode
 
     config = RunConfig(task="summarize", model=model_ref, prefill_step_size=chunk, max_new_tokens=new_tokens,

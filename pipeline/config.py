@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
 PrefillMode = Literal["whole", "streaming"]
+# How a document longer than the model's window is read (what each output row records as read_mode).
+LongDocs = Literal["stream", "truncate", "refuse"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_INPUT = "data/sample_batch.parquet"
@@ -139,7 +141,9 @@ class GenerationSettings(_Settings):
 
     max_new_tokens: int = Field(128, ge=1, le=INT32_MAX, description="tokens generated per answer at most")
     prefill_step_size: int = Field(512, ge=1, le=INT32_MAX, description="context tokens per prefill chunk")
-    truncate: bool = Field(False, description="cut the middle of documents longer than the model window")
+    long_docs: LongDocs = Field("stream", description="a document longer than the model's window: stream (read "
+                                "it whole, evicting while prefilling, its kept rows moved within the window), "
+                                "truncate (cut its middle) or refuse (a too_long row)")
     summary_instruction: str = Field(SUMMARY_INSTRUCTION, description="the instruction after the document")
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
@@ -196,7 +200,12 @@ class RunConfig(GenerationSettings, PressSettings):
                if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
         # Keys quantized unrotated hash as they did before the rotation existed.
         kv = set(KV_FIELDS) if self.kv_bits is None else set() if self.kv_hadamard else {"kv_hadamard"}
-        dump = self.model_dump(exclude=new | kv)
+        dump = self.model_dump(exclude=new | kv | {"long_docs"})
+        # Runs stored before long_docs existed said truncate true/false (false refused what streams now: those
+        # documents were never done, so equal hashes lose nothing); refuse is the new value.
+        dump["truncate"] = self.long_docs == "truncate"
+        if self.long_docs == "refuse":
+            dump["long_docs"] = "refuse"
         dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 

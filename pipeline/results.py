@@ -38,6 +38,7 @@ class DocumentResult:
     title: Optional[str] = None
     n_tokens: int = 0  # context tokens fed (what is compressed)
     n_tokens_full: Optional[int] = None  # the document's own length, when truncation fed fewer
+    read_mode: str = "whole"  # whole (fits the window), stream (read past it) or truncate (its middle cut)
     status: str = OK
     error: Optional[str] = None
     prefill_s: float = 0.0

@@ -15,18 +15,11 @@ import nestedkv
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.prompts import build_prompt, encode, question_text
+from pipeline import window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
+from pipeline.window import PreparedDocument
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class PreparedDocument:
-    """A document's token ids: one context, one question suffix per question."""
-
-    context_ids: list[int]
-    questions: list[tuple[str, list[int], Optional[str]]]  # (question, suffix ids, gold)
-    truncated_from: Optional[int] = None
 
 
 def _backbone(model):
@@ -100,30 +93,10 @@ class Runner:
             (q if q is not None else cfg.summary_instruction, encode(self.tokenizer, p.question), g)
             for q, p, g in zip(asked, parts, golds)
         ]
-        prepared = PreparedDocument(context_ids, questions)
-        if self.max_context:
-            # Cut for the longest question that fits with its answer at all: one that cannot is too long alone.
-            fitting = [len(q[1]) for q in questions if len(q[1]) + cfg.max_new_tokens < self.max_context]
-            room = self.max_context - max(fitting, default=self.max_context) - cfg.max_new_tokens
-            if len(context_ids) > room and cfg.truncate and room > 0:
-                # Keep the head (template + start) and the tail (end of the document) of the context.
-                half = room // 2
-                prepared.truncated_from = len(context_ids)
-                prepared.context_ids = context_ids[:half] + context_ids[len(context_ids) - (room - half) :]
-        return prepared
+        return window.fit(PreparedDocument(context_ids, questions), cfg, self.max_context)
 
     def _over(self, prepared: PreparedDocument, n_question: int) -> Optional[str]:
-        """Why the context, a question of ``n_question`` tokens and its answer exceed the window, or None."""
-        need = len(prepared.context_ids) + n_question + self.config.max_new_tokens
-        if not self.max_context or need <= self.max_context:
-            return None
-        # With --truncate, the context was already cut: only the question and the answer can be too long.
-        hint = ("the question and the answer alone leave no room for the context: shorten the question or lower "
-                "--max-new-tokens" if self.config.truncate else "pass --truncate to cut the middle of the document")
-        return (
-            f"context {len(prepared.context_ids)} + question {n_question} + max_new_tokens "
-            f"{self.config.max_new_tokens} = {need} tokens exceeds the model window of {self.max_context}; {hint}"
-        )
+        return window.over(prepared, n_question, self.config, self.max_context)
 
     def too_long(self, prepared: PreparedDocument) -> Optional[str]:
         """Why the document cannot run at all (no question fits the window with the context), or None."""
@@ -160,6 +133,7 @@ class Runner:
         for k, why in self.too_long_questions(prepared).items():
             res.questions[k].status = TOO_LONG
             res.questions[k].error = f"document {doc.doc_id!r} question {k}: {why}"
+        res.read_mode = prepared.read_mode
         if prepared.truncated_from:
             res.n_tokens_full = prepared.truncated_from
             res.error = f"truncated from {prepared.truncated_from} to {res.n_tokens} context tokens"
@@ -170,7 +144,16 @@ class Runner:
         press evicts while it prefills, so it is told the context length its ratio applies to."""
         press = press or self.press
         n = len(prepared.context_ids)
-        cache = nestedkv.make_cache(self.model, press, **({"context_len": n} if press.prefill == "streaming" else {}))
+        if prepared.positions and press.prefill != "streaming":  # past the window: read only while evicting
+            if isinstance(press, nestedkv.NoPress):
+                raise ValueError(f"a document of {n} tokens, longer than the model window of {self.max_context}, "
+                                 f"is read whole only while evicting: press {press.name!r} keeps every row "
+                                 "(--long-docs truncate cuts its middle instead)")
+            press = replace(press, prefill="streaming")
+        kw = {"context_len": n} if press.prefill == "streaming" else {}
+        if prepared.positions:
+            kw["positions"] = prepared.positions
+        cache = nestedkv.make_cache(self.model, press, **kw)
         mx.reset_peak_memory()
         nestedkv.reset_peak(cache)
         t0 = time.perf_counter()

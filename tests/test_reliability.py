@@ -754,9 +754,13 @@ CASES = [
              check=only_the_long_question_lost),
     ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
        done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
-    not_done("too-long-with-truncate", run_with("--truncate", "--max-new-tokens", "5000"), "did not end ok",
-             done=(), check=lambda ctx, res: all("lower --max-new-tokens" in r["error"] and "pass --truncate" not in
-                                                 r["error"] for r in rows(ctx.db, "SELECT error FROM outputs"))),
+    not_done("too-long-with-truncate", run_with("--long-docs", "truncate", "--max-new-tokens", "5000"),
+             "did not end ok", done=(), check=lambda ctx, res: all(
+                 "lower --max-new-tokens" in r["error"] and "--long-docs" not in r["error"]
+                 for r in rows(ctx.db, "SELECT error FROM outputs"))),
+    not_done("too-long-refused", run_with("--long-docs", "refuse", "--max-new-tokens", "5000"),
+             "did not end ok", done=(), check=lambda ctx, res: all(
+                 "--long-docs stream" in r["error"] for r in rows(ctx.db, "SELECT error FROM outputs"))),
 
     # ---- resume and re-runs
     ok("rerun-does-nothing-twice", RUN, "0 runs", "2 already done", setup=lambda ctx: ctx.earlier_run(),

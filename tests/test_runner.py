@@ -78,7 +78,8 @@ def test_no_press_keeps_everything():
 
 
 def test_too_long_is_an_error_row_with_token_counts():
-    runner = Runner(tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6), max_context=200)
+    runner = Runner(tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6,
+                                                             long_docs="refuse"), max_context=200)
     res = runner.run(doc())
     assert res.status == TOO_LONG
     assert str(res.n_tokens) in res.error and "200" in res.error
@@ -88,7 +89,8 @@ def test_too_long_is_an_error_row_with_token_counts():
 
 def test_truncate_cuts_the_middle_to_fit_the_window():
     runner = Runner(
-        tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6, truncate=True), max_context=300
+        tiny_model(), ByteTokenizer(), RunConfig(task="qa", model="tiny", max_new_tokens=6, long_docs="truncate"),
+        max_context=300
     )
     res = runner.run(doc())
     assert res.status == OK
@@ -144,14 +146,16 @@ def test_batched_repetition_penalty_equals_mlx_lms_row_by_row():
         penalize_repeats(logits, [[1], [], [2]], 1.3)
 
 
-def test_too_long_with_truncate_names_what_is_too_long():
-    """--truncate was given: the hint is about the question and the answer, never "pass --truncate"."""
-    cfg = RunConfig(task="qa", model="tiny", max_new_tokens=290, truncate=True)
+@pytest.mark.parametrize("long_docs", ["truncate", "stream"])
+def test_too_long_when_read_anyway_names_what_is_too_long(long_docs):
+    """Cut or streamed, the context fits: the hint is about the question and the answer, never --long-docs."""
+    cfg = RunConfig(task="qa", model="tiny", max_new_tokens=290, long_docs=long_docs)
     res, prepared = Runner(tiny_model(), ByteTokenizer(), cfg, max_context=300).start(doc())
     assert prepared is None and res.status == TOO_LONG
-    assert "--max-new-tokens" in res.error and "pass --truncate" not in res.error
-    res, _ = Runner(tiny_model(), ByteTokenizer(), cfg.model_copy(update={"truncate": False}), max_context=300).start(doc())
-    assert "pass --truncate" in res.error
+    assert "--max-new-tokens" in res.error and "--long-docs" not in res.error
+    refuse = cfg.model_copy(update={"long_docs": "refuse"})
+    res, _ = Runner(tiny_model(), ByteTokenizer(), refuse, max_context=300).start(doc())
+    assert "--long-docs stream" in res.error
 
 
 def test_a_document_quoting_the_split_marker_stays_in_the_context():
@@ -191,7 +195,7 @@ def test_one_question_too_long_marks_only_that_question():
 def test_one_question_too_long_with_truncate_cuts_for_the_others():
     """--truncate cuts the context for the questions that can fit at all; one whose answer leaves no room
     for any context stays too long, alone."""
-    runner = make_runner(truncate=True, max_new_tokens=6)
+    runner = make_runner(long_docs="truncate", max_new_tokens=6)
     d = doc(questions=["Who jumps?", "Where " + "and why " * 40 + "?"])
     runner.max_context = 200  # question 1 (+ 6 answer tokens) alone is longer than the window
     res = runner.run(d)

@@ -12,7 +12,7 @@ from flows.cli.common import ModelOpt, app, fail, out_console, say, split_list, 
 from pipeline.bench_peer import DEFAULT_PEER_PYTHON, PeerOptions
 from pipeline.config import DEFAULT_INPUT
 
-BENCHMARKS = ("kernels", "memory", "throughput", "rope", "peer", "quant", "overhead", "prefect")
+BENCHMARKS = ("kernels", "memory", "throughput", "rope", "peer", "quant", "overhead", "long", "prefect")
 
 
 def _given(**options) -> dict:
@@ -26,12 +26,17 @@ def bench(
                                "growing lengths), throughput (documents per hour, batched, prefill cache), rope "
                                "(how much each NestedKV scale's ranking is position, on --context tokens), peer "
                                "(side by side with kvpress), quant (quantized KV against mlx-lm's, and decode "
-                               "speed), overhead (share of a batch's wall time outside model compute) or prefect "
+                               "speed), overhead (share of a batch's wall time outside model compute), long (documents past the "
+                               "window, read each way --long-docs offers) or prefect "
                                "(Prefect's overhead per document)"),
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="kernels and rope: context tokens"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
-    lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="memory: context lengths"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="memory: context lengths (default "
+                                          "1024,2048,4096,8192); long: document lengths (default 6554,20480)"),
+    per_length: int = typer.Option(2, "--per-length", help="long: documents per length"),
+    presses: str = typer.Option("nestedkv,keydiff,streaming_llm", "--presses", help="long: the presses that "
+                                "stream"),
     budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
     compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory, throughput, peer and "
                                             "overhead"),
@@ -78,7 +83,7 @@ def bench(
     out: Optional[str] = typer.Option(None, "--out", help="also write the figures (JSON; memory: a folder with "
                                       "a table and a PNG plot)"),
 ):
-    """Benchmarks: kernels (default), memory, throughput, rope, peer, quant, overhead, prefect."""
+    """Benchmarks: kernels (default), memory, throughput, rope, peer, quant, overhead, long, prefect."""
     if what not in BENCHMARKS:
         fail(f"nkv bench: unknown benchmark {what!r}; choose {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]}")
     with user_errors():
@@ -96,7 +101,7 @@ def bench(
             from pipeline import bench_memory
             from pipeline.config import INT32_MAX
 
-            ns = split_list(lengths, int, "--lengths")
+            ns = split_list(lengths or "1024,2048,4096,8192", int, "--lengths")
             if not ns or not all(1 <= n <= INT32_MAX for n in ns):
                 fail(f"--lengths: context lengths must be whole numbers of tokens in 1..{INT32_MAX}, got {lengths!r}")
             bench_memory.main(model, ns, budget, compression_ratio, 512, new_tokens, out or "reports/memory")
@@ -136,6 +141,13 @@ def bench(
 
             run_overhead(model=model, compression_ratio=compression_ratio, out=out,
                          **_given(input=input, task=task, press=press, max_new_tokens=max_new_tokens))
+        elif what == "long":
+            from pipeline import bench_long
+
+            bench_long.run(model, split_list(lengths or "6554,20480", int, "--lengths"), per_length,
+                           split_list(presses, str, "--presses"), out=out,
+                           log=lambda m: out_console.print(m, markup=False, highlight=False),
+                           **_given(max_new_tokens=max_new_tokens))
         else:
             from flows import bench_overhead
 

@@ -109,9 +109,10 @@ class BasePress:
             keys = rope.required(unrope, self.name)(keys, 0)
         return self.select_scores(self.score(keys), keep)
 
-    def select_scores(self, scores: mx.array, keep: int) -> Selection:
-        """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition)."""
-        return select(scores, keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard)
+    def select_scores(self, scores: mx.array, keep: int, cap: Optional[int] = None) -> Selection:
+        """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition);
+        ``cap``: the most rows one head may keep."""
+        return select(scores, keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard, cap=cap)
 
     @classmethod
     def parse_params(cls, params: dict) -> dict:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
-from pipeline.results import DocumentResult
+from pipeline.results import TOO_LONG, DocumentResult
 from pipeline.spec import check_configs
 from pipeline.store import StoreWriteError
 
@@ -94,9 +94,33 @@ class Work:
             self.scores[cfg] = self.ref.own_scores(res)
         elif self.evaluate:
             if self.ref is None:
+                if self.prepared.positions:  # past the window the reference cannot read it: answers, no scores
+                    self.report(cfg)
+                    return
                 raise RuntimeError("the no_press reference failed: nothing to score this configuration against")
             self.scores[cfg] = self.ref.score(runner, self.prepared, res, cache)
         self.report(cfg)
+
+    def streamed(self, configs: list[RunConfig], shell: DocumentResult, exc: Optional[BaseException]) -> dict:
+        """``configs`` as streaming presses; the uncompressed reference cannot stream and ends with ``exc``
+        (or, past the window, as too long)."""
+        out = {}
+        for cfg in configs:
+            if not cfg.is_reference:
+                out[cfg] = replace(cfg.make_press(), prefill="streaming")
+                continue
+            self.results[cfg] = res = copy.deepcopy(shell)
+            if exc is not None:
+                res.fail(exc)
+            else:
+                res.status = TOO_LONG
+                res.error = (f"document {self.doc.doc_id!r}: {len(self.prepared.context_ids)} tokens, longer than "
+                             f"the model window of {self.runner.max_context}; the uncompressed reference cannot "
+                             "read it (it keeps every row)")
+                for q in res.questions:
+                    q.status, q.error = TOO_LONG, res.error
+            self.report(cfg)
+        return out
 
     def start(self) -> "Work":
         """Tokenize, prefill (once for the whole-context configurations), compress each configuration."""
@@ -114,6 +138,9 @@ class Work:
         whole = [c for c in todo if c.prefill == "whole"]
         streaming = {c: c.make_press() for c in todo if c.prefill != "whole"}
         fallback = None
+        if self.prepared.positions:  # past the window: read only while evicting, by every compressing configuration
+            streaming = {**self.streamed(whole, shell, None), **streaming}
+            whole = []
         if whole:
             base = copy.deepcopy(shell)
             try:
@@ -123,11 +150,7 @@ class Work:
                     raise
                 # The whole context does not fit: evict while prefilling instead, for every compressing configuration.
                 fallback = f"whole-context prefill ran out of memory ({type(exc).__name__}: {exc}); prefilled streaming"
-                streaming = {**{c: replace(c.make_press(), prefill="streaming") for c in whole if not c.is_reference},
-                             **streaming}
-                for cfg in (c for c in whole if c.is_reference):
-                    self.results[cfg] = copy.deepcopy(shell).fail(exc)
-                    self.report(cfg)
+                streaming = {**self.streamed(whole, shell, exc), **streaming}
                 full, whole = None, []
             for cfg in whole:
                 self.results[cfg] = res = copy.deepcopy(base)

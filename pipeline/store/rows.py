@@ -64,6 +64,7 @@ def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
         # getattr: filled once DocumentResult carries peak KV bytes; NULL before.
         "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
         "peak_kv_decode_bytes": getattr(r, "peak_kv_decode_bytes", None),
+        "read_mode": getattr(r, "read_mode", None),
     }
     if not r.questions:
         return arrow("outputs", [{**doc, "status": r.status, "error": r.error}])

@@ -37,6 +37,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("n_question_tokens", _I), ("n_generated", _I), ("prefill_s", _F), ("compress_s", _F),
         ("decode_s", _F), ("prefill_tok_s", _F), ("decode_tok_s", _F), ("peak_prefill_bytes", _B),
         ("peak_decode_bytes", _B), ("peak_kv_prefill_bytes", _B), ("peak_kv_decode_bytes", _B),
+        ("read_mode", _S),  # how a document was read: whole, stream (past the window) or truncate
     ],
     "layer_memory": [
         ("run_id", _S), ("doc_id", _S), ("content_sha256", _S), ("layer", _I), ("n_kv_heads", _I),

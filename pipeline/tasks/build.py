@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.tasks.plans import PLANNERS, TASKS, TokenCounter, largest, plan_common_words
+from pipeline.tasks.plans import LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words
 from pipeline.tasks.text import Sentence, haystack, vocabulary
 
 
@@ -86,8 +86,8 @@ def length_label(length: int) -> str:
 
 def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[Sentence], vocab: Sequence[str],
                   count: TokenCounter) -> dict:
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if task not in TASKS + LONG_TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + LONG_TASKS)}")
     rng = random.Random(f"{seed}:{task}:{length}:{index}")
     for _ in range(100):  # redraw until every value occurs exactly once (the haystack never supplies one)
         if task == "common_words":
@@ -113,9 +113,9 @@ def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[S
 def generate(count: TokenCounter, lengths: Sequence[int] = SIZES["standard"].lengths, per_task: int = 2,
              seed: int = 0, tasks: Sequence[str] = TASKS, austen: Optional[Path] = None) -> list[dict]:
     """Every task x length x index as a document row (see the module doc); ``count(text)`` -> tokens."""
-    bad = [t for t in tasks if t not in TASKS]
+    bad = [t for t in tasks if t not in TASKS + LONG_TASKS]
     if bad:
-        raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
+        raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS + LONG_TASKS)}")
     if per_task < 1 or not lengths or any(int(n) < 256 for n in lengths):
         raise ValueError(f"need per_task >= 1 and lengths >= 256 tokens, got per_task={per_task}, lengths={lengths}")
     hay = haystack(austen)

@@ -1,0 +1,83 @@
+"""``nkv bench long``: documents longer than the model's window, read each way ``--long-docs`` offers.
+
+Needles are planted in the middle 30-70% of stretches of the novels (the suite's ``niah_middle`` task) at each
+length; every document is answered uncompressed where it fits the window (the ceiling), cut in the middle
+(no_press, ``truncate``), and read whole while evicting (``stream``) with each press at its default settings.
+Per way and length: recall (RULER's string match), wall time per document, prefill tokens/s and the peak KV
+bytes while prefilling.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from pipeline.config import RunConfig
+from pipeline.documents import Document
+from pipeline.suite.scores import recall
+
+Log = Callable[[str], None]
+
+
+def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
+    """(label, RunConfig fields) for each way of reading one document."""
+    out = [("uncompressed", {"press": "no_press", "long_docs": "refuse"})] if fits else []
+    out.append(("middle cut", {"press": "no_press", "long_docs": "truncate"}))
+    out += [(f"stream {p}", {"press": p, "long_docs": "stream"}) for p in presses]
+    return out
+
+
+def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
+        "keydiff", "streaming_llm"), max_new_tokens: int = 16, seed: int = 0, austen: Optional[str] = None,
+        out: Optional[str] = None, log: Log = print) -> list[dict]:
+    from pipeline.models import load_model, model_info
+    from pipeline.runner import Runner
+    from pipeline.tasks.build import generate, token_counter
+
+    model, tokenizer = load_model(model_ref)
+    window = model_info(model).get("max_position_embeddings")
+    docs = generate(token_counter(tokenizer), lengths, per_length, seed, tasks=["niah_middle"],
+                    austen=Path(austen) if austen else None)
+    rows = []
+    for d in docs:
+        doc = Document(doc_id=d["doc_id"], text=d["text"], questions=d["questions"], answers=d["answers"])
+        for label, fields in ways(presses, fits=window is None or d["n_tokens"] + 64 + max_new_tokens <= window):
+            cfg = RunConfig(task="qa", model=model_ref, max_new_tokens=max_new_tokens, **fields)
+            t0 = time.perf_counter()
+            res = Runner(model, tokenizer, cfg, max_context=window).run(doc)
+            wall = time.perf_counter() - t0
+            scores = [recall(q.output, parts) for q, parts in zip(res.questions, d["parts"]) if q.status == "ok"]
+            rows.append({"length": d["length"], "n_tokens": d["n_tokens"], "doc_id": d["doc_id"], "way": label,
+                         "read_mode": res.read_mode, "status": res.status, "recall": scores, "wall_s": wall,
+                         "prefill_tok_s": res.n_tokens / res.prefill_s if res.prefill_s else None,
+                         "peak_kv_prefill_bytes": res.peak_kv_prefill_bytes})
+            log(f"{d['doc_id']} ({d['n_tokens']} tokens) {label}: {res.status}, recall "
+                f"{sum(scores) / len(scores) if scores else float('nan'):.2f}, {wall:.0f} s")
+    table = summarize(rows)
+    for r in table:
+        log(f"{r['length']:>7} {r['way']:<22} recall {r['recall']:.3f} ({r['questions']} questions)  "
+            f"{r['wall_s']:.0f} s/doc  prefill {r['prefill_tok_s'] or 0:.0f} tok/s  peak KV {r['peak_kv_mib']:.1f} MiB")
+    if out:
+        Path(out).write_text(json.dumps({"model": model_ref, "window": window, "rows": rows, "table": table},
+                                        indent=1))
+    return table
+
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+    """One row per (length, way): mean recall over the questions answered, mean wall time, prefill rate and
+    the largest peak KV."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["length"], r["way"]), []).append(r)
+    table = []
+    for (length, way), rs in groups.items():
+        scores = [s for r in rs for s in r["recall"]]
+        rates = [r["prefill_tok_s"] for r in rs if r["prefill_tok_s"]]
+        table.append({"length": length, "way": way, "questions": len(scores),
+                      "recall": sum(scores) / len(scores) if scores else float("nan"),
+                      "wall_s": sum(r["wall_s"] for r in rs) / len(rs),
+                      "prefill_tok_s": sum(rates) / len(rates) if rates else None,
+                      "peak_kv_mib": max(r["peak_kv_prefill_bytes"] for r in rs) / 2**20})
+    return table

@@ -1,0 +1,60 @@
+"""How a document meets the model's window: read whole, streamed past it, cut in the middle, or refused
+(``long_docs``), and why a question cannot be answered within it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pipeline.config import RunConfig
+
+
+@dataclass
+class PreparedDocument:
+    """A document's token ids: one context, one question suffix per question."""
+
+    context_ids: list[int]
+    questions: list[tuple[str, list[int], Optional[str]]]  # (question, suffix ids, gold)
+    truncated_from: Optional[int] = None
+    # Longer than the window and read whole (long_docs="stream"): the rope positions its kept rows may use.
+    positions: Optional[int] = None
+
+    @property
+    def read_mode(self) -> str:
+        """How the document was read: whole (it fits the window), stream (past it) or truncate (middle cut)."""
+        return "stream" if self.positions else "truncate" if self.truncated_from else "whole"
+
+
+def fit(prepared: PreparedDocument, cfg: RunConfig, max_context: Optional[int]) -> PreparedDocument:
+    """Cut the middle (``truncate``) or plan to stream (``stream``: the rope positions its kept rows may use) a
+    context too long for the window, in place; room is left for the longest question that fits with its
+    answer at all (one that cannot is too long alone)."""
+    if not max_context:
+        return prepared
+    context_ids, questions = prepared.context_ids, prepared.questions
+    fitting = [len(q[1]) for q in questions if len(q[1]) + cfg.max_new_tokens < max_context]
+    room = max_context - max(fitting, default=max_context) - cfg.max_new_tokens
+    if len(context_ids) > room and room > 0 and cfg.long_docs == "truncate":
+        # Keep the head (template + start) and the tail (end of the document) of the context.
+        half = room // 2
+        prepared.truncated_from = len(context_ids)
+        prepared.context_ids = context_ids[:half] + context_ids[len(context_ids) - (room - half) :]
+    elif (cfg.long_docs == "stream" and room > 2 * cfg.prefill_step_size
+          and len(context_ids) + min(len(q[1]) for q in questions) + cfg.max_new_tokens > max_context):
+        # No question fits with the whole context (else those that do are answered from it, as is).
+        prepared.positions = room
+    return prepared
+
+
+def over(prepared: PreparedDocument, n_question: int, cfg: RunConfig, max_context: Optional[int]) -> Optional[str]:
+    """Why the context, a question of ``n_question`` tokens and its answer exceed the window, or None."""
+    fed = prepared.positions or len(prepared.context_ids)  # streamed: the positions its kept rows use
+    need = fed + n_question + cfg.max_new_tokens
+    if not max_context or need <= max_context:
+        return None
+    # Truncated or streamed, the context fits: only the question and the answer can be too long.
+    hint = ("the question and the answer leave too little room for the context: shorten the question or lower "
+            "--max-new-tokens" if cfg.long_docs != "refuse" else
+            "pass --long-docs stream to read it whole or --long-docs truncate to cut its middle")
+    return (f"context {len(prepared.context_ids)} + question {n_question} + max_new_tokens {cfg.max_new_tokens} "
+            f"= {need} tokens exceeds the model window of {max_context}; {hint}")

@@ -1,0 +1,161 @@
+"""Documents longer than the model's window, read whole (``make_cache(..., positions=P)``, ``--long-docs
+stream``): the model never sees a rope position past P, memory stays bounded whatever the length, moved keys
+are the rope at their new positions, and the pipeline records how each document was read."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+import nestedkv
+from nestedkv import KeyDiffPress, NestedKVPress, StreamingLLMPress
+from nestedkv.rope import inverse
+from nestedkv.selection import select
+from nestedkv.streaming import StreamState
+from pipeline.config import RunConfig
+from pipeline.documents import Document
+from pipeline.results import OK, TOO_LONG
+from pipeline.runner import Runner
+from tests.tiny import ByteTokenizer, tiny_model
+
+CHUNK = 64
+
+
+@pytest.fixture
+def rotations(monkeypatch) -> list:
+    """(offset, rows) of every rope the model applies (queries and keys, every layer)."""
+    seen, real = [], nn.RoPE.__call__
+
+    def call(self, x, offset=0):
+        seen.append((int(offset), x.shape[-2]))
+        return real(self, x, offset=offset)
+
+    monkeypatch.setattr(nn.RoPE, "__call__", call)
+    return seen
+
+
+def prefill(model, cache, n: int, chunk: int = CHUNK) -> None:
+    ids = mx.array([(i * 7919) % 200 + 3 for i in range(n)], dtype=mx.int32)[None]
+    for s in range(0, n, chunk):
+        model.model(ids[:, s : s + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+@pytest.mark.parametrize("rope", [nn.RoPE(16, base=10000.0), nn.RoPE(16, traditional=True, base=500.0),
+                                  initialize_rope(16, 500000.0, False, {"rope_type": "llama3", "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}, 4096)],
+                         ids=["plain", "traditional", "llama3"])
+def test_moved_keys_are_the_rope_at_their_new_positions(rope):
+    raw = mx.random.normal((1, 2, 6, 16), key=mx.random.key(1))
+    rot = mx.array([[[0, 1, 5, 9, 40, 77], [0, 3, 4, 20, 21, 90]]], dtype=mx.int32)
+
+    def at(pos):  # each row rotated by its own position
+        flat = raw.reshape(12, 1, 1, 16)
+        return mx.concatenate([rope(flat[i : i + 1], offset=int(p)) for i, p in enumerate(pos.reshape(-1).tolist())]
+                              ).reshape(1, 2, 6, 16)
+
+    state = StreamState(KeyDiffPress(budget=4), None)
+    state.rows["rot"] = rot
+    moved = state.reposition(at(rot), inverse(rope))
+    slots = mx.broadcast_to(mx.arange(6, dtype=mx.int32), (1, 2, 6))
+    assert mx.allclose(moved, at(slots), atol=1e-4).item()
+    assert mx.array_equal(state.rows["rot"], slots).item()
+    still = (rot == slots)[..., None]  # rows that did not move stay exact
+    assert mx.array_equal(mx.where(still, moved, 0), mx.where(still, at(rot), 0)).item()
+
+
+@pytest.mark.parametrize("press", [KeyDiffPress(budget=200, prefill="streaming"),
+                                   NestedKVPress(compression_ratio=0.75, prefill="streaming", head_budget="adaptive"),
+                                   StreamingLLMPress(budget=100, prefill="streaming")], ids=lambda p: p.name)
+def test_a_document_five_times_the_positions_never_passes_them(press, rotations):
+    model, positions, n, seen = tiny_model(), 600, 3000, rotations
+    cache = nestedkv.make_cache(model, press, context_len=n, positions=positions)
+    prefill(model, cache, n)
+    assert max(o + w for o, w in seen) <= positions  # every query and key the model rotated, every layer
+    cap, m = positions - 2 * CHUNK, cache[0].memory(0)
+    row = 2 * m.head_dim * 4  # a key and a value in fp32, one head
+    # each head: its cap, one chunk and the buffer's growth step
+    assert max(c.peak_nbytes for c in cache) <= m.n_kv_heads * (cap + CHUNK + cache[0].step) * row
+    nestedkv.compress(cache)
+    for i, c in enumerate(cache):
+        m = c.memory(i)
+        assert m.tokens_seen == n and c.positions_seen == n and m.kept_max <= cap
+        assert c.offset == c.stored <= positions  # the question follows the kept rows
+    seen.clear()
+    rows = cache[0].stored
+    logits = model(mx.array([[5, 6, 7]]), cache=cache)
+    assert mx.all(mx.isfinite(logits)).item()
+    assert seen and all(o == rows for o, _ in seen)
+
+
+def test_a_document_within_the_positions_is_read_as_without_them():
+    """Nothing moves while the chunks fit; compress then puts the question right after the kept rows."""
+    model, press, n = tiny_model(), KeyDiffPress(budget=150, prefill="streaming"), 700
+    plain, limited = nestedkv.make_cache(model, press, context_len=n), \
+        nestedkv.make_cache(model, press, context_len=n, positions=n + CHUNK)
+    for cache in (plain, limited):
+        prefill(model, cache, n)
+    for a, b in zip(plain, limited):
+        assert a.offset == b.offset == n and a.stored == b.stored
+        assert mx.array_equal(a.keys[..., : a.stored, :], b.keys[..., : b.stored, :]).item()
+    nestedkv.compress(limited)
+    assert all(c.offset == c.stored == 150 and c.positions_seen == n for c in limited)
+
+
+def test_peak_memory_does_not_grow_with_the_document():
+    model, press = tiny_model(), NestedKVPress(compression_ratio=0.5, prefill="streaming", head_budget="uniform")
+    peaks = {}
+    for n in (2000, 8000):
+        cache = nestedkv.make_cache(model, press, context_len=n, positions=500)
+        prefill(model, cache, n)
+        peaks[n] = sum(c.peak_nbytes for c in cache)
+    assert peaks[8000] == peaks[2000]
+
+
+def test_adaptive_heads_keep_at_most_the_cap():
+    scores = mx.random.normal((1, 4, 300), key=mx.random.key(3))
+    scores = scores + mx.array([[[3.0], [0.0], [0.0], [0.0]]])  # head 0 would take most of the pool
+    free, capped = select(scores, 50, "adaptive"), select(scores, 50, "adaptive", cap=60)
+    assert int(mx.max(free.counts).item()) > 60 >= int(mx.max(capped.counts).item())
+    for h in range(4):  # a capped head keeps the best of what it kept
+        kept = set(free.indices[0, h, : int(free.counts[0, h].item())].tolist())
+        assert set(capped.indices[0, h, : int(capped.counts[0, h].item())].tolist()) <= kept
+
+
+def test_positions_need_a_streaming_press():
+    with pytest.raises(ValueError, match="prefill='streaming'"):
+        nestedkv.make_cache(tiny_model(), KeyDiffPress(budget=10), context_len=100, positions=50)
+
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 40  # ~2,600 byte tokens
+
+
+def runner(**cfg) -> Runner:
+    cfg = {"task": "qa", "model": "tiny", "max_new_tokens": 4, "prefill_step_size": CHUNK, "press": "keydiff",
+           "budget": 120, **cfg}
+    return Runner(tiny_model(), ByteTokenizer(), RunConfig(**cfg), max_context=800)
+
+
+def doc() -> Document:
+    return Document(doc_id="long", text=TEXT, questions=["Who jumps?"], answers=["fox"])
+
+
+def test_the_runner_reads_a_long_document_whole_by_default():
+    res = runner().run(doc())
+    assert res.status == OK and res.read_mode == "stream", res.error
+    assert res.n_tokens > 2500 and res.n_tokens_full is None  # the model saw every token
+    assert all(m.tokens_seen == res.n_tokens and m.kept_max <= 120 for m in res.layers)
+    assert res.questions[0].status == OK and res.questions[0].n_generated > 0
+
+
+def test_long_docs_truncate_and_refuse():
+    cut = runner(long_docs="truncate").run(doc())
+    assert cut.status == OK and cut.read_mode == "truncate" and cut.n_tokens_full > cut.n_tokens
+    refused = runner(long_docs="refuse").run(doc())
+    assert refused.status == TOO_LONG and "--long-docs stream" in refused.error
+
+
+def test_the_uncompressed_press_cannot_read_past_the_window():
+    with pytest.raises(ValueError, match="keeps every row.*--long-docs truncate"):
+        runner(press="no_press", budget=None).run(doc())
