@@ -19,7 +19,7 @@ Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
 PrefillMode = Literal["whole", "streaming"]
 # How a document longer than the model's window is read (what each output row records as read_mode).
-LongDocs = Literal["stream", "truncate", "refuse"]
+LongDocs = Literal["stream", "truncate", "map_reduce", "refuse"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_INPUT = "data/sample_batch.parquet"
@@ -143,7 +143,8 @@ class GenerationSettings(_Settings):
     prefill_step_size: int = Field(512, ge=1, le=INT32_MAX, description="context tokens per prefill chunk")
     long_docs: LongDocs = Field("stream", description="a document longer than the model's window: stream (read "
                                 "it whole, evicting while prefilling, its kept rows moved within the window), "
-                                "truncate (cut its middle) or refuse (a too_long row)")
+                                "truncate (cut its middle), map_reduce (answer each part, keep the likeliest "
+                                "answer; summarize the parts' summaries) or refuse (a too_long row)")
     summary_instruction: str = Field(SUMMARY_INSTRUCTION, description="the instruction after the document")
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
@@ -204,8 +205,8 @@ class RunConfig(GenerationSettings, PressSettings):
         # Runs stored before long_docs existed said truncate true/false (false refused what streams now: those
         # documents were never done, so equal hashes lose nothing); refuse is the new value.
         dump["truncate"] = self.long_docs == "truncate"
-        if self.long_docs == "refuse":
-            dump["long_docs"] = "refuse"
+        if self.long_docs in ("refuse", "map_reduce"):
+            dump["long_docs"] = self.long_docs
         dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 

@@ -15,7 +15,7 @@ import nestedkv
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.prompts import build_prompt, encode, question_text
-from pipeline import window
+from pipeline import map_reduce, window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 from pipeline.window import PreparedDocument
 
@@ -78,7 +78,8 @@ class Runner:
         )
 
     # -- preparation ------------------------------------------------------------------------
-    def prepare(self, doc: Document) -> PreparedDocument:
+    def prepare(self, doc: Document, fit: bool = True) -> PreparedDocument:
+        """The document's token ids; ``fit``: made to meet the window as ``long_docs`` says (``window.fit``)."""
         cfg = self.config
         if cfg.task == "qa":
             if not doc.questions:
@@ -93,7 +94,12 @@ class Runner:
             (q if q is not None else cfg.summary_instruction, encode(self.tokenizer, p.question), g)
             for q, p, g in zip(asked, parts, golds)
         ]
-        return window.fit(PreparedDocument(context_ids, questions), cfg, self.max_context)
+        prepared = PreparedDocument(context_ids, questions)
+        if not fit:
+            return prepared
+        prepared = window.fit(prepared, cfg, self.max_context)
+        prepared.parts = map_reduce.parts_of(self, doc, prepared.split_room)
+        return prepared
 
     def _over(self, prepared: PreparedDocument, n_question: int) -> Optional[str]:
         return window.over(prepared, n_question, self.config, self.max_context)
@@ -194,6 +200,8 @@ class Runner:
         res, prepared = self.start(doc)
         if prepared is None:
             return res
+        if prepared.parts:
+            return map_reduce.run(self, prepared, res, self.press, on_prefill)
         cache = self.prefill(prepared, res, on_prefill=on_prefill)
         return self.finish(cache, prepared, res)
 
@@ -201,8 +209,9 @@ class Runner:
         """Greedy answer after the compressed context; the cache is left for the caller to rewind."""
         t0 = time.perf_counter()
         tokens: list[int] = []
+        logprob, scored = 0.0, 0  # the answer's tokens and its end-of-sequence token
         try:
-            for token, _ in generate_step(
+            for token, logprobs in generate_step(
                 mx.array(question_ids, dtype=mx.int32),
                 self.model,
                 max_tokens=self.config.max_new_tokens,
@@ -211,6 +220,7 @@ class Runner:
                 logits_processors=self.logits_processors,
             ):
                 token = int(token)
+                logprob, scored = logprob + float(logprobs[token].item()), scored + 1
                 if token in self.eos:
                     break
                 tokens.append(token)
@@ -218,8 +228,8 @@ class Runner:
             out.status, out.error = ERROR, f"{type(exc).__name__}: {exc}"
         out.decode_s = time.perf_counter() - t0
         out.n_generated = len(tokens)
+        out.logprob = logprob / max(1, scored)
         out.output = self.tokenizer.decode(tokens).strip()
-
 
     # -- several compressed caches at once (configurations of a document, and documents) -------------
     def answer_entries(self, entries: list["Entry"]) -> dict:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.config import RunConfig
@@ -18,10 +18,16 @@ class PreparedDocument:
     truncated_from: Optional[int] = None
     # Longer than the window and read whole (long_docs="stream"): the rope positions its kept rows may use.
     positions: Optional[int] = None
+    # Longer than the window, read in parts (long_docs="map_reduce"): the context tokens a part may hold,
+    # and the parts (each a PreparedDocument of its own).
+    split_room: Optional[int] = None
+    parts: list = field(default_factory=list)
 
     @property
     def read_mode(self) -> str:
         """How the document was read: whole (it fits the window), stream (past it) or truncate (middle cut)."""
+        if self.parts:
+            return "map_reduce"
         return "stream" if self.positions else "truncate" if self.truncated_from else "whole"
 
 
@@ -39,16 +45,19 @@ def fit(prepared: PreparedDocument, cfg: RunConfig, max_context: Optional[int]) 
         half = room // 2
         prepared.truncated_from = len(context_ids)
         prepared.context_ids = context_ids[:half] + context_ids[len(context_ids) - (room - half) :]
-    elif (cfg.long_docs == "stream" and room > 2 * cfg.prefill_step_size
-          and len(context_ids) + min(len(q[1]) for q in questions) + cfg.max_new_tokens > max_context):
+    elif len(context_ids) + min(len(q[1]) for q in questions) + cfg.max_new_tokens > max_context:
         # No question fits with the whole context (else those that do are answered from it, as is).
-        prepared.positions = room
+        if cfg.long_docs == "stream" and room > 2 * cfg.prefill_step_size:
+            prepared.positions = room
+        elif cfg.long_docs == "map_reduce" and room > 0:
+            prepared.split_room = room
     return prepared
 
 
 def over(prepared: PreparedDocument, n_question: int, cfg: RunConfig, max_context: Optional[int]) -> Optional[str]:
     """Why the context, a question of ``n_question`` tokens and its answer exceed the window, or None."""
-    fed = prepared.positions or len(prepared.context_ids)  # streamed: the positions its kept rows use
+    # streamed: the positions its kept rows use; in parts: the longest part
+    fed = prepared.positions or max((len(p.context_ids) for p in prepared.parts), default=len(prepared.context_ids))
     need = fed + n_question + cfg.max_new_tokens
     if not max_context or need <= max_context:
         return None

@@ -159,3 +159,29 @@ def test_long_docs_truncate_and_refuse():
 def test_the_uncompressed_press_cannot_read_past_the_window():
     with pytest.raises(ValueError, match="keeps every row.*--long-docs truncate"):
         runner(press="no_press", budget=None).run(doc())
+
+
+def test_map_reduce_answers_from_the_likeliest_part():
+    r = runner(long_docs="map_reduce")
+    res, prepared = r.start(doc())
+    assert prepared.read_mode == "map_reduce" and len(prepared.parts) > 2
+    assert all(len(p.context_ids) + len(p.questions[0][1]) + 4 <= 800 for p in prepared.parts)
+    assert sum(len(p.context_ids) for p in prepared.parts) > len(prepared.context_ids)  # all of it, + templates
+    answers, finish = [], r.finish
+
+    def noting(cache, part, got):  # each part's answer, as map-reduce reads it
+        out = finish(cache, part, got)
+        answers.append(out.questions[0])
+        return out
+
+    r.finish = noting
+    out = r.run(doc())
+    assert out.status == OK and out.read_mode == "map_reduce" and len(answers) == len(prepared.parts)
+    best = max(answers, key=lambda a: a.logprob)
+    assert (out.questions[0].output, out.questions[0].logprob) == (best.output, best.logprob)
+    assert len({a.logprob for a in answers}) > 1  # the parts answered differently
+
+
+def test_map_reduce_summarizes_the_summaries():
+    res = runner(task="summarize", long_docs="map_reduce").run(doc())
+    assert res.status == OK and res.read_mode == "map_reduce" and res.questions[0].n_generated > 0

@@ -135,6 +135,17 @@ class Work:
                 self.results[cfg] = copy.deepcopy(shell)
                 self.report(cfg)
             return self
+        if self.prepared.parts:  # in parts (map-reduce): each configuration reads them one by one
+            from pipeline import map_reduce
+
+            for cfg in todo:
+                self.results[cfg] = res = copy.deepcopy(shell)
+                try:
+                    map_reduce.run(runner, self.prepared, res, cfg.make_press(), hooks.on_prefill)
+                except Exception as exc:
+                    res.fail(exc)
+                self.report(cfg)
+            return self
         whole = [c for c in todo if c.prefill == "whole"]
         streaming = {c: c.make_press() for c in todo if c.prefill != "whole"}
         fallback = None

@@ -1,0 +1,96 @@
+"""Map-reduce over a document longer than the window (``long_docs="map_reduce"``), the conventional way and the
+baseline the streaming read is measured against.
+
+The document is split at paragraph boundaries into parts that fit the window with every question (a
+paragraph longer than that is cut by tokens). Each part is prefilled, compressed by the run's press and
+answered as a document of its own. QA: each question takes the part's answer with the highest mean
+log-probability per token. Summaries: the parts' summaries, joined, are summarized once more.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from pipeline.documents import Document
+from pipeline.prompts import encode
+from pipeline.results import OK, TOO_LONG, DocumentResult
+
+JOIN = "\n\n"
+
+
+def split(runner, doc: Document, room: int) -> list[Document]:
+    """``doc`` as documents of whole paragraphs whose contexts fit ``room`` tokens."""
+    tok = runner.tokenizer
+    overhead = len(runner.prepare(doc.model_copy(update={"text": "."}), fit=False).context_ids)
+    budget = room - overhead - 8  # the template around each part, and slack for tokens merging at the joins
+    if budget < 16:
+        raise ValueError(f"document {doc.doc_id!r}: the window leaves {budget} tokens per part for map-reduce")
+    pieces: list[tuple[str, int]] = []
+    for para in (p for p in doc.text.split(JOIN) if p.strip()):
+        ids = encode(tok, para)
+        for i in range(0, len(ids), budget):  # a paragraph longer than a part is cut by tokens
+            piece = para if len(ids) <= budget else tok.decode(ids[i : i + budget])
+            pieces.append((piece, min(budget, len(ids) - i)))
+    parts, cur, n = [], [], 0
+    for piece, k in pieces:
+        if cur and n + k + 2 > budget:
+            parts.append(cur)
+            cur, n = [], 0
+        cur.append(piece)
+        n += k + 2
+    parts.append(cur)
+    return [doc.model_copy(update={"text": JOIN.join(p)}) for p in parts if p]
+
+
+def run(runner, prepared, res: DocumentResult, press, on_prefill=None) -> DocumentResult:
+    """Answer from every part (compressed by ``press``), then choose or reduce into ``res``."""
+    picks: list[list] = [[] for _ in res.questions]
+    for part in prepared.parts:
+        got = copy.deepcopy(res)
+        cache = runner.prefill(part, got, press=press, on_prefill=on_prefill)
+        runner.finish(cache, part, got)
+        _add_costs(res, got)
+        for k, q in enumerate(got.questions):
+            if q.status == OK:
+                picks[k].append(q)
+    if runner.config.task == "summarize":
+        return _reduce(runner, res, [q.output for q in picks[0]], press, on_prefill)
+    for q, answers in zip(res.questions, picks):
+        if q.status == TOO_LONG or not answers:
+            continue
+        best = max(answers, key=lambda a: a.logprob)
+        q.output, q.n_generated, q.logprob = best.output, best.n_generated, best.logprob
+        q.decode_s = sum(a.decode_s for a in answers)
+    return res
+
+
+def _reduce(runner, res: DocumentResult, summaries: list[str], press, on_prefill) -> DocumentResult:
+    """The summary of the parts' summaries (read whole: they fit, or are split again)."""
+    doc = Document(doc_id=res.doc_id, text=JOIN.join(s for s in summaries if s.strip()) or ".")
+    got = copy.deepcopy(res)
+    prepared = runner.prepare(doc)
+    if prepared.parts:
+        got = run(runner, prepared, got, press, on_prefill)
+    else:
+        runner.finish(runner.prefill(prepared, got, press=press, on_prefill=on_prefill), prepared, got)
+    _add_costs(res, got)
+    res.questions = got.questions
+    return res
+
+
+def _add_costs(res: DocumentResult, part: DocumentResult) -> None:
+    """A part's times add up; its peaks count where they are the largest (parts run one after another)."""
+    res.prefill_s += part.prefill_s
+    res.compress_s += part.compress_s
+    for name in ("peak_prefill_bytes", "peak_decode_bytes", "peak_kv_prefill_bytes", "peak_kv_decode_bytes"):
+        setattr(res, name, max(getattr(res, name), getattr(part, name)))
+    if sum(m.bytes_full for m in part.layers) > sum(m.bytes_full for m in res.layers):
+        res.layers = part.layers  # the largest part's accounting
+    if part.status != OK and res.status == OK:
+        res.status, res.error = part.status, part.error
+
+
+def parts_of(runner, doc: Document, room: Optional[int]) -> list:
+    """The prepared parts of ``doc`` for ``room`` context tokens (none when it fits)."""
+    return [runner.prepare(d, fit=False) for d in split(runner, doc, room)] if room else []
