@@ -1,7 +1,7 @@
 """``nkv bench long``: documents longer than the model's window, read each way ``--long-docs`` offers.
 
 Needles are planted in the middle 30-70% of stretches of the novels (the suite's ``niah_middle`` task) at each
-length; every document is answered uncompressed where it fits the window (the ceiling), cut in the middle
+length; a document that fits the window is answered uncompressed (the ceiling); a longer one is cut in the middle
 (no_press, ``truncate``), in parts (``map_reduce``, each part compressed by NestedKV at its defaults), and
 read whole while evicting (``stream``) with each press at its default settings.
 Per way and length: recall (RULER's string match), wall time per document, prefill tokens/s and the peak KV
@@ -24,11 +24,11 @@ Log = Callable[[str], None]
 
 def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
     """(label, RunConfig fields) for each way of reading one document."""
-    out = [("uncompressed", {"press": "no_press", "long_docs": "refuse"})] if fits else []
-    out.append(("middle cut", {"press": "no_press", "long_docs": "truncate"}))
-    out.append(("map-reduce", {"press": "nestedkv", "long_docs": "map_reduce"}))  # each part compressed as usual
-    out += [(f"stream {p}", {"press": p, "long_docs": "stream"}) for p in presses]
-    return out
+    if fits:  # the ceiling; the other ways read a document that fits as it is
+        return [("uncompressed", {"press": "no_press", "long_docs": "refuse"})]
+    out = [("middle cut", {"press": "no_press", "long_docs": "truncate"}),
+           ("map-reduce", {"press": "nestedkv", "long_docs": "map_reduce"})]  # each part compressed as usual
+    return out + [(f"stream {p}", {"press": p, "long_docs": "stream"}) for p in presses]
 
 
 def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
