@@ -185,3 +185,12 @@ def test_map_reduce_answers_from_the_likeliest_part():
 def test_map_reduce_summarizes_the_summaries():
     res = runner(task="summarize", long_docs="map_reduce").run(doc())
     assert res.status == OK and res.read_mode == "map_reduce" and res.questions[0].n_generated > 0
+
+
+def test_niah_middle_plants_its_needles_in_the_middle():
+    from pipeline.tasks.build import generate
+
+    for row in generate(lambda text: len(text.encode()), [4096], per_task=3, tasks=["niah_middle"]):
+        for sentence in row["evidence"]:
+            at = row["text"].index(sentence[0]) / len(row["text"])
+            assert 0.25 <= at <= 0.75, (row["doc_id"], at)  # 30-70% of the sentences, to the nearest boundary
