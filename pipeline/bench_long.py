@@ -5,12 +5,12 @@ length; a document that fits the window is answered uncompressed (the ceiling); 
 (no_press, ``truncate``), in parts (``map_reduce``, each part compressed by NestedKV at its defaults), and
 read whole while evicting (``stream``) with each press at its default settings.
 Per way and length: recall (RULER's string match), wall time per document, prefill tokens/s and the peak KV
-bytes while prefilling.
+bytes while prefilling. ``rates``: a streaming prefill of the novels' text at each length with a fixed budget,
+read past the window as ``--long-docs stream`` reads it (prefill tokens/s and peak KV bytes by length).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -33,7 +33,7 @@ def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
 
 def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
         "keydiff", "streaming_llm"), max_new_tokens: int = 16, seed: int = 0, austen: Optional[str] = None,
-        out: Optional[str] = None, log: Log = print) -> list[dict]:
+        log: Log = print) -> dict:
     from pipeline.models import load_model, model_info
     from pipeline.runner import Runner
     from pipeline.tasks.build import generate, token_counter
@@ -61,10 +61,7 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
     for r in table:
         log(f"{r['length']:>7} {r['way']:<22} recall {r['recall']:.3f} ({r['questions']} questions)  "
             f"{r['wall_s']:.0f} s/doc  prefill {r['prefill_tok_s'] or 0:.0f} tok/s  peak KV {r['peak_kv_mib']:.1f} MiB")
-    if out:
-        Path(out).write_text(json.dumps({"model": model_ref, "window": window, "rows": rows, "table": table},
-                                        indent=1))
-    return table
+    return {"model": model_ref, "window": window, "rows": rows, "table": table}
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
@@ -83,3 +80,40 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
                       "prefill_tok_s": sum(rates) / len(rates) if rates else None,
                       "peak_kv_mib": max(r["peak_kv_prefill_bytes"] for r in rs) / 2**20})
     return table
+
+
+def rates(model_ref: str, lengths: Sequence[int], budget: int = 1024, press: str = "nestedkv", chunk: int = 512,
+          austen: Optional[str] = None, log: Log = print) -> list[dict]:
+    """Streaming prefill tokens/s and peak KV bytes of ``press`` keeping ``budget`` rows per head, at each
+    length (the window's positions as a 64-token question and 16-token answer would leave them)."""
+    import mlx.core as mx
+
+    import nestedkv
+    from nestedkv.press import get_press
+    from pipeline.models import load_model, model_info
+    from pipeline.prompts import encode
+    from pipeline.runner import prefill
+    from pipeline.tasks.text import haystack
+
+    model, tokenizer = load_model(model_ref)
+    window = model_info(model).get("max_position_embeddings")
+    text = " ".join(s.text for s in haystack(Path(austen) if austen else None))
+    base = encode(tokenizer, text)
+    out = []
+    for n in lengths:
+        ids = (base * (n // len(base) + 1))[:n]
+        streaming = get_press(press, budget=budget, prefill="streaming")
+        positions = window - 80 if window and n + 80 > window else None
+        cache = nestedkv.make_cache(model, streaming, context_len=n, positions=positions)
+        t0 = time.perf_counter()
+        prefill(model, cache, ids, chunk)
+        nestedkv.compress(cache)
+        wall = time.perf_counter() - t0
+        peak = sum(nestedkv.peak_kv_bytes(cache))
+        out.append({"length": n, "press": press, "budget": budget, "tok_s": n / wall, "wall_s": wall,
+                    "peak_kv_mib": peak / 2**20, "past_window": positions is not None})
+        log(f"{n:>7} tokens  {press} budget {budget}: {n / wall:.0f} tok/s ({wall:.0f} s), peak KV "
+            f"{peak / 2**20:.1f} MiB" + ("  (past the window)" if positions else ""))
+        del cache
+        mx.clear_cache()
+    return out

@@ -26,18 +26,20 @@ def bench(
                                "growing lengths), throughput (documents per hour, batched, prefill cache), rope "
                                "(how much each NestedKV scale's ranking is position, on --context tokens), peer "
                                "(side by side with kvpress), quant (quantized KV against mlx-lm's, and decode "
-                               "speed), overhead (share of a batch's wall time outside model compute), long (documents past the "
-                               "window, read each way --long-docs offers) or prefect "
+                               "speed), overhead (share of a batch's wall time outside model compute), long "
+                               "(documents past the window, read each way --long-docs offers) or prefect "
                                "(Prefect's overhead per document)"),
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="kernels and rope: context tokens"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens decoded per measurement"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="memory: context lengths (default "
                                           "1024,2048,4096,8192); long: document lengths (default 6554,20480)"),
-    per_length: int = typer.Option(2, "--per-length", help="long: documents per length"),
+    per_length: int = typer.Option(2, "--per-length", help="long: documents per length (0: none)"),
+    rate_lengths: Optional[str] = typer.Option(None, "--rate-lengths", help="long: also time a streaming prefill "
+                                               "of these lengths keeping --budget rows per head"),
     presses: str = typer.Option("nestedkv,keydiff,streaming_llm", "--presses", help="long: the presses that "
                                 "stream"),
-    budget: int = typer.Option(512, "--budget", help="memory: tokens kept per head"),
+    budget: int = typer.Option(512, "--budget", help="memory and long's --rate-lengths: tokens kept per head"),
     compression_ratio: float = typer.Option(0.75, "--compression-ratio", help="memory, throughput, peer and "
                                             "overhead"),
     input: Optional[str] = typer.Option(None, "--input", help=f"the batch (default: {DEFAULT_INPUT}; peer and "
@@ -144,10 +146,19 @@ def bench(
         elif what == "long":
             from pipeline import bench_long
 
-            bench_long.run(model, split_list(lengths or "6554,20480", int, "--lengths"), per_length,
-                           split_list(presses, str, "--presses"), out=out,
-                           log=lambda m: out_console.print(m, markup=False, highlight=False),
-                           **_given(max_new_tokens=max_new_tokens))
+            log = lambda m: out_console.print(m, markup=False, highlight=False)  # noqa: E731
+            res = {}
+            if per_length:
+                res["table"] = bench_long.run(model, split_list(lengths or "6554,20480", int, "--lengths"),
+                                              per_length, split_list(presses, str, "--presses"), log=log,
+                                              **_given(max_new_tokens=max_new_tokens))
+            if rate_lengths:
+                res["rates"] = bench_long.rates(model, split_list(rate_lengths, int, "--rate-lengths"), budget,
+                                                log=log)
+            if out:
+                from pathlib import Path
+
+                Path(out).write_text(json.dumps(res, indent=1))
         else:
             from flows import bench_overhead
 
