@@ -410,6 +410,13 @@ def parses_as(fmt: str):
     return check
 
 
+LONG_TEXT = "A long document read whole past the tiny model's 4,096-token window. " * 90  # 6,300 bytes
+
+
+def read_modes(ctx) -> dict:
+    return {r["doc_id"]: r["read_mode"] for r in rows(ctx.db, "SELECT doc_id, read_mode FROM outputs")}
+
+
 def prints_what_it_made(ctx, res) -> None:
     """stdout (a pipe here): one line per document, then the memory table with every column, uncut."""
     from pipeline.engine import SAVINGS_COLUMNS
@@ -752,6 +759,9 @@ CASES = [
     not_done("qa-one-question-too-long", run_with("--task", "qa"), "1 of 3 results did not end ok",
              setup=batch({"doc_id": "doc-q", "text": "A short document.", "questions": ["Who?", LONG_QUESTION]}),
              check=only_the_long_question_lost),
+    ok("document-past-the-window", RUN, "3 done", setup=batch({"doc_id": "doc-long", "text": LONG_TEXT}),
+       done=GOOD + ("doc-long",), check=lambda ctx, res: read_modes(ctx) == {"doc-0": "whole", "doc-1": "whole",
+                                                                              "doc-long": "stream"}),
     ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
        done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
     not_done("too-long-with-truncate", run_with("--long-docs", "truncate", "--max-new-tokens", "5000"),
