@@ -202,10 +202,10 @@ class RunConfig(GenerationSettings, PressSettings):
         # Keys quantized unrotated hash as they did before the rotation existed.
         kv = set(KV_FIELDS) if self.kv_bits is None else set() if self.kv_hadamard else {"kv_hadamard"}
         dump = self.model_dump(exclude=new | kv | {"long_docs"})
-        # Runs stored before long_docs existed said truncate true/false (false refused what streams now: those
-        # documents were never done, so equal hashes lose nothing); refuse is the new value.
+        # Runs stored before long_docs existed said truncate true/false: false refused what the default reads
+        # now, and those documents were never done, so the default hashes as false did and loses nothing.
         dump["truncate"] = self.long_docs == "truncate"
-        if self.long_docs in ("refuse", "map_reduce"):
+        if self.long_docs not in ("truncate", GenerationSettings.model_fields["long_docs"].default):
             dump["long_docs"] = self.long_docs
         dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))

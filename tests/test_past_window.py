@@ -194,3 +194,16 @@ def test_niah_middle_plants_its_needles_in_the_middle():
         for sentence in row["evidence"]:
             at = row["text"].index(sentence[0]) / len(row["text"])
             assert 0.25 <= at <= 0.75, (row["doc_id"], at)  # 30-70% of the sentences, to the nearest boundary
+
+
+def test_long_docs_hash_as_truncate_did():
+    """Stores from before --long-docs resume: truncate hashes as truncate=true did, the default as false did
+    (whose long documents were refused, so never done); every way is a configuration of its own."""
+    import json
+
+    dumps = {w: json.loads(RunConfig(long_docs=w).canonical_json()) for w in ("stream", "truncate", "map_reduce",
+                                                                             "refuse")}
+    assert dumps["truncate"]["truncate"] is True and "long_docs" not in dumps["truncate"]
+    assert dumps["stream"]["truncate"] is False and "long_docs" not in dumps["stream"]
+    assert dumps["refuse"]["long_docs"] == "refuse" and dumps["map_reduce"]["long_docs"] == "map_reduce"
+    assert len({RunConfig(long_docs=w).config_hash() for w in dumps}) == 4
