@@ -35,6 +35,9 @@ def bench(
     lengths: Optional[str] = typer.Option(None, "--lengths", help="memory: context lengths (default "
                                           "1024,2048,4096,8192); long: document lengths (default 6554,20480)"),
     per_length: int = typer.Option(2, "--per-length", help="long: documents per length (0: none)"),
+    seed: int = typer.Option(0, "--seed", help="long: the documents' seed"),
+    window: Optional[int] = typer.Option(None, "--window", help="long: treat the model's window as this many "
+                                         "tokens (default: its own)"),
     rate_lengths: Optional[str] = typer.Option(None, "--rate-lengths", help="long: also time a streaming prefill "
                                                "of these lengths keeping --budget rows per head"),
     presses: str = typer.Option("nestedkv,keydiff,streaming_llm", "--presses", help="long: the presses that "
@@ -151,7 +154,7 @@ def bench(
             if per_length:
                 res["table"] = bench_long.run(model, split_list(lengths or "6554,20480", int, "--lengths"),
                                               per_length, split_list(presses, str, "--presses"), log=log,
-                                              **_given(max_new_tokens=max_new_tokens))
+                                              seed=seed, **_given(max_new_tokens=max_new_tokens, window=window))
             if rate_lengths:
                 res["rates"] = bench_long.rates(model, split_list(rate_lengths, int, "--rate-lengths"), budget,
                                                 log=log)
