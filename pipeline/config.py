@@ -141,10 +141,11 @@ class GenerationSettings(_Settings):
 
     max_new_tokens: int = Field(128, ge=1, le=INT32_MAX, description="tokens generated per answer at most")
     prefill_step_size: int = Field(512, ge=1, le=INT32_MAX, description="context tokens per prefill chunk")
-    long_docs: LongDocs = Field("stream", description="a document longer than the model's window: stream (read "
-                                "it whole, evicting while prefilling, its kept rows moved within the window), "
-                                "truncate (cut its middle), map_reduce (answer each part, keep the likeliest "
-                                "answer; summarize the parts' summaries) or refuse (a too_long row)")
+    # map_reduce answered more needles past the window than stream on nkv bench long (docs/long-documents.md).
+    long_docs: LongDocs = Field("map_reduce", description="a document longer than the model's window: map_reduce "
+                                "(answer each part, keep the likeliest answer; summarize the parts' summaries), "
+                                "stream (read it whole, evicting while prefilling, its kept rows moved within the "
+                                "window), truncate (cut its middle) or refuse (a too_long row)")
     summary_instruction: str = Field(SUMMARY_INSTRUCTION, description="the instruction after the document")
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "

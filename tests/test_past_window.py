@@ -141,8 +141,8 @@ def doc() -> Document:
     return Document(doc_id="long", text=TEXT, questions=["Who jumps?"], answers=["fox"])
 
 
-def test_the_runner_reads_a_long_document_whole_by_default():
-    res = runner().run(doc())
+def test_the_runner_reads_a_long_document_whole_when_streaming():
+    res = runner(long_docs="stream").run(doc())
     assert res.status == OK and res.read_mode == "stream", res.error
     assert res.n_tokens > 2500 and res.n_tokens_full is None  # the model saw every token
     assert all(m.tokens_seen == res.n_tokens and m.kept_max <= 120 for m in res.layers)
@@ -158,7 +158,9 @@ def test_long_docs_truncate_and_refuse():
 
 def test_the_uncompressed_press_cannot_read_past_the_window():
     with pytest.raises(ValueError, match="keeps every row.*--long-docs truncate"):
-        runner(press="no_press", budget=None).run(doc())
+        runner(press="no_press", budget=None, long_docs="stream").run(doc())
+    parts = runner(press="no_press", budget=None).run(doc())  # the default reads it in parts, uncompressed
+    assert parts.status == OK and parts.read_mode == "map_reduce"
 
 
 def test_map_reduce_answers_from_the_likeliest_part():
@@ -203,7 +205,8 @@ def test_long_docs_hash_as_truncate_did():
 
     dumps = {w: json.loads(RunConfig(long_docs=w).canonical_json()) for w in ("stream", "truncate", "map_reduce",
                                                                              "refuse")}
+    assert RunConfig().long_docs == "map_reduce"
     assert dumps["truncate"]["truncate"] is True and "long_docs" not in dumps["truncate"]
-    assert dumps["stream"]["truncate"] is False and "long_docs" not in dumps["stream"]
-    assert dumps["refuse"]["long_docs"] == "refuse" and dumps["map_reduce"]["long_docs"] == "map_reduce"
+    assert dumps["map_reduce"]["truncate"] is False and "long_docs" not in dumps["map_reduce"]
+    assert dumps["refuse"]["long_docs"] == "refuse" and dumps["stream"]["long_docs"] == "stream"
     assert len({RunConfig(long_docs=w).config_hash() for w in dumps}) == 4
