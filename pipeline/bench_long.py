@@ -33,13 +33,15 @@ def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
 
 def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
         "keydiff", "streaming_llm"), max_new_tokens: int = 16, seed: int = 0, austen: Optional[str] = None,
-        log: Log = print) -> dict:
+        window: Optional[int] = None, log: Log = print) -> dict:
+    """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
+    model's lengths past it; the positions, memory and eviction then work as they would past the real one)."""
     from pipeline.models import load_model, model_info
     from pipeline.runner import Runner
     from pipeline.tasks.build import generate, token_counter
 
     model, tokenizer = load_model(model_ref)
-    window = model_info(model).get("max_position_embeddings")
+    window = window or model_info(model).get("max_position_embeddings")
     docs = generate(token_counter(tokenizer), lengths, per_length, seed, tasks=["niah_middle"],
                     austen=Path(austen) if austen else None)
     rows = []

@@ -195,7 +195,7 @@ def test_niah_middle_plants_its_needles_in_the_middle():
     for row in generate(lambda text: len(text.encode()), [4096], per_task=3, tasks=["niah_middle"]):
         for sentence in row["evidence"]:
             at = row["text"].index(sentence[0]) / len(row["text"])
-            assert 0.25 <= at <= 0.75, (row["doc_id"], at)  # 30-70% of the sentences, to the nearest boundary
+            assert 0.2 <= at <= 0.8, (row["doc_id"], at)  # 30-70% of the sentences, to the nearest open one
 
 
 def test_long_docs_hash_as_truncate_did():
