@@ -190,12 +190,13 @@ def test_map_reduce_summarizes_the_summaries():
 
 
 def test_niah_middle_plants_its_needles_in_the_middle():
-    from pipeline.tasks.build import generate
+    import random
 
-    for row in generate(lambda text: len(text.encode()), [4096], per_task=3, tasks=["niah_middle"]):
-        for sentence in row["evidence"]:
-            at = row["text"].index(sentence[0]) / len(row["text"])
-            assert 0.2 <= at <= 0.8, (row["doc_id"], at)  # 30-70% of the sentences, to the nearest open one
+    from pipeline.tasks.plans import plan_niah_middle
+
+    for seed in range(50):
+        plan = plan_niah_middle(random.Random(seed))
+        assert len(plan.needles) == 3 and all(0.3 <= d <= 0.7 for d, _ in plan.needles), plan.needles
 
 
 def test_long_docs_hash_as_truncate_did():
