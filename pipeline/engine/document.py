@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from pipeline import map_reduce
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
 from pipeline.results import TOO_LONG, DocumentResult
@@ -136,8 +137,6 @@ class Work:
                 self.report(cfg)
             return self
         if self.prepared.parts:  # in parts (map-reduce): each configuration reads them one by one
-            from pipeline import map_reduce
-
             for cfg in todo:
                 self.results[cfg] = res = copy.deepcopy(shell)
                 try:
