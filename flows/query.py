@@ -4,6 +4,7 @@ calling thread stays free for Ctrl-C and a timeout; stopping interrupts the quer
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +19,28 @@ STOP_POLL_S = 0.02
 
 class QueryStopped(Exception):
     """The query was stopped (timeout); the message says why."""
+
+
+@contextmanager
+def interrupt_latch() -> Iterator[threading.Event]:
+    """An event set by every SIGINT while the block runs, the previous handler still called. Python
+    swallows a KeyboardInterrupt raised inside a ``__del__`` or weakref callback (a GC pass in the writer);
+    the latch lets the query loop raise it again at its next step."""
+    seen = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield seen
+        return
+
+    def latch(signum, frame):
+        seen.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, latch)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
@@ -59,6 +82,8 @@ def background_query(store, sql: str, timeout: float) -> Iterator[tuple]:
 
     def take():
         while True:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             t0 = time.monotonic()
             try:
                 kind, value = q.get(timeout=0.1)
@@ -80,13 +105,14 @@ def background_query(store, sql: str, timeout: float) -> Iterator[tuple]:
             yield value
 
     worker = threading.Thread(target=produce, name="nkv-query", daemon=True)
-    try:  # started inside: a Ctrl-C right after the start still stops it
-        worker.start()
-        _, schema = take()
-        yield schema, batches()
-    finally:
-        stop.set()
-        stop_worker(worker, store.interrupt)
+    with interrupt_latch() as interrupted:
+        try:  # started inside: a Ctrl-C right after the start still stops it
+            worker.start()
+            _, schema = take()
+            yield schema, batches()
+        finally:
+            stop.set()
+            stop_worker(worker, store.interrupt)
 
 
 def stop_worker(worker: threading.Thread, interrupt) -> bool:
