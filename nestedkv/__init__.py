@@ -12,9 +12,9 @@ from nestedkv._platform import enable_cpu_fast_path
 _HOME = {
     "nestedkv.accounting": ("LayerMemory", "layer_stats", "peak_kv_bytes", "reset_peak"),
     "nestedkv.attention": ("head_mask", "install_attention_hook"),
-    "nestedkv.cache": ("NestedKVCache", "clone", "compress", "make_cache", "stack", "take"),
-    "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "KeyDiffPress", "KnormPress", "NestedKVPress",
-                       "NoPress", "RandomPress", "StreamingLLMPress", "get_press"),
+    "nestedkv.cache": ("NestedKVCache", "clone", "compress", "make_cache", "press_of", "rewind", "stack", "take"),
+    "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "compared_methods", "get_press"),  # and every press class, below
+    "nestedkv.quant": ("KVQuant",),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 
@@ -22,8 +22,11 @@ __all__ = sorted([*_MODULE_OF, "enable_cpu_fast_path"])
 
 
 def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    # The press classes come from the registry (nestedkv.press exports each one), not from a list here;
+    # like everything above they load on first use, so importing nestedkv loads no mlx.
+    module = _MODULE_OF.get(name) or ("nestedkv.press" if name.endswith("Press") else None)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # looked up once
         return value
     try:  # submodules, as `import nestedkv; nestedkv.cache` found them when the package imported them all

@@ -9,13 +9,10 @@ from nestedkv.presses.base import (
     PREFILL_MODES,
     SEED_MAX,
     BasePress,
-    NoPress,
     check_kv_bits,
 )
-from nestedkv.presses.baselines import KnormPress, RandomPress, StreamingLLMPress
-from nestedkv.presses.keydiff import KeyDiffPress
-from nestedkv.presses.nestedkv import NestedKVPress
+# Every registered press class by its own name (a new press module is exported without a list to keep).
+globals().update({cls.__name__: cls for cls in PRESSES.values()})
 
-__all__ = ["INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "PREFILL_MODES", "PRESSES", "SEED_MAX", "BasePress",
-           "KeyDiffPress", "KnormPress", "NestedKVPress", "NoPress", "RandomPress", "StreamingLLMPress",
-           "check_kv_bits", "compared_methods", "get_press"]
+__all__ = sorted(["INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "PREFILL_MODES", "PRESSES", "SEED_MAX", "BasePress",
+                  "check_kv_bits", "compared_methods", "get_press", *(cls.__name__ for cls in PRESSES.values())])

@@ -15,6 +15,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+import nestedkv  # the presses load mlx: reached through the package's lazy names, after the CPU opt-in
+from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
+
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
 PrefillMode = Literal["whole", "streaming"]
@@ -39,11 +42,13 @@ SUMMARY_REPETITION_PENALTY = 1.1
 REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
 # A field added after runs were stored: left out of the hash while at its default, so those runs still resume.
 HASHED_WHEN_SET = {"hashed_when_set": True}
+MAX_DOC_TOKENS = 2**20
+CHARS_PER_TOKEN = 8  # twice prose's usual 3-5, so a document refused unread is over the limit in all likelihood
 
 # The press fields a sweep varies; every other field must be shared, or one prefill could not serve them all.
 PRESS_FIELDS = ("press", "compression_ratio", "budget", "head_budget", "prefill", "press_params", "kv_bits",
                 "kv_group_size", "kv_hadamard")
-KV_FIELDS = ("kv_bits", "kv_group_size", "kv_hadamard")
+KV_FIELDS = tuple(QUANT_FIELDS.values())
 
 
 class _Settings(BaseModel):
@@ -53,7 +58,8 @@ class _Settings(BaseModel):
 class PressSettings(_Settings):
     """Which context rows survive: the method, its budget, how heads share it, when it evicts."""
 
-    press: str = Field("nestedkv", description="nestedkv, keydiff, knorm, streaming_llm, random, no_press")
+    press: str = Field("nestedkv", description="the method, a press of nestedkv's registry (README.md's "
+                       "table; an unknown name lists them); no_press: the uncompressed reference")
     compression_ratio: float = Field(0.75, ge=0.0, lt=1.0, description="fraction of context KV entries removed")
     budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,
                                   description="absolute tokens kept per KV head (wins over the ratio)")
@@ -65,9 +71,9 @@ class PressSettings(_Settings):
                                          description="the method's own parameters, e.g. tau=0.5 (NestedKV)")
     kv_bits: Optional[int] = Field(None, description="quantize the kept KV rows to 4 or 8 bits after compression "
                                    "(mlx-lm's --kv-bits; 16 or none: the model's dtype)")
-    kv_group_size: int = Field(64, description="values per quantization scale and bias, 32, 64 or 128 (mlx-lm's "
+    kv_group_size: int = Field(KVQuant().group_size, description="values per quantization scale and bias, 32, 64 or 128 (mlx-lm's "
                                "--kv-group-size)")
-    kv_hadamard: bool = Field(True, description="store quantized keys rotated by a Hadamard matrix, so that no "
+    kv_hadamard: bool = Field(KVQuant().hadamard, description="store quantized keys rotated by a Hadamard matrix, so that no "
                               "group holds their outlier channels (false: mlx-lm's layout)")
 
     @model_validator(mode="after")
@@ -91,18 +97,14 @@ class PressSettings(_Settings):
     @field_validator("kv_group_size")
     @classmethod
     def _group_size(cls, v: int) -> int:
-        from nestedkv.press import check_kv_bits
-
         check_kv_bits(None, v)  # with or without kv_bits: a typo should not pass silently
         return v
 
     @field_validator("press")
     @classmethod
     def _known_press(cls, v: str) -> str:
-        from nestedkv.press import PRESSES
-
-        if v not in PRESSES:
-            raise ValueError(f"unknown press {v!r}; allowed: {', '.join(sorted(PRESSES))}")
+        if v not in nestedkv.PRESSES:
+            raise ValueError(f"unknown press {v!r}; allowed: {', '.join(sorted(nestedkv.PRESSES))}")
         return v
 
     @model_validator(mode="after")
@@ -119,17 +121,19 @@ class PressSettings(_Settings):
 
     def make_press(self):
         """The nestedkv press these settings describe; ``ValueError`` names a bad parameter."""
-        from nestedkv.press import get_press
-
         kw = {"compression_ratio": self.compression_ratio, "budget": self.budget, "head_budget": self.head_budget}
         if self.prefill != "whole":
             kw["prefill"] = self.prefill
-        if self.kv_bits is not None:
-            kw.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, kv_hadamard=self.kv_hadamard)
+        if self.kv_quant.quantized:
+            kw.update(self.kv_quant.as_fields())
         try:
-            return get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
+            return nestedkv.get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
         except TypeError as exc:  # an unknown parameter name
             raise ValueError(str(exc)) from None
+
+    @property
+    def kv_quant(self) -> KVQuant:
+        return KVQuant.from_fields(self)
 
     def press_key(self) -> dict:
         """The press's full parameter set, defaults included (what the hash must cover)."""
@@ -146,6 +150,11 @@ class GenerationSettings(_Settings):
                                 "(answer each part, keep the likeliest answer; summarize the parts' summaries), "
                                 "stream (read it whole, evicting while prefilling, its kept rows moved within the "
                                 "window), truncate (cut its middle) or refuse (a too_long row)")
+    # 2**20 tokens read in about 2 hours streamed on a 2-core CPU; the tokenizer's memory grows with the text
+    # (7.5 GB for 50 MB), so a text is measured in characters before it is tokenized.
+    max_doc_tokens: int = Field(MAX_DOC_TOKENS, ge=1, le=INT32_MAX, json_schema_extra=HASHED_WHEN_SET,
+                                description="a longer document is refused (a too_long row) before it is read; "
+                                f"one over {CHARS_PER_TOKEN} characters per token of it, before it is tokenized")
     summary_instruction: str = Field(SUMMARY_INSTRUCTION, description="the instruction after the document")
     qa_instruction: str = Field(QA_INSTRUCTION, description="the question template; must contain {question}")
     repetition_penalty: Optional[float] = Field(None, gt=0, description="default 1.1 for summaries, none for qa; "
@@ -201,7 +210,7 @@ class RunConfig(GenerationSettings, PressSettings):
         new = {n for n, f in type(self).model_fields.items()
                if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
         # Keys quantized unrotated hash as they did before the rotation existed.
-        kv = set(KV_FIELDS) if self.kv_bits is None else set() if self.kv_hadamard else {"kv_hadamard"}
+        kv = self.kv_quant.unhashed()
         dump = self.model_dump(exclude=new | kv | {"long_docs"})
         # Runs stored before long_docs existed said truncate true/false: false refused what the default reads
         # now, and those documents were never done, so the default hashes as false did and loses nothing.
@@ -218,7 +227,7 @@ class RunConfig(GenerationSettings, PressSettings):
 
     @property
     def is_reference(self) -> bool:
-        return self.press == REFERENCE_PRESS and self.kv_bits is None
+        return self.press == REFERENCE_PRESS and not self.kv_quant.quantized
 
     def reference(self) -> "RunConfig":
         """The uncompressed twin of this configuration (what quality is measured against)."""
@@ -234,8 +243,7 @@ class RunConfig(GenerationSettings, PressSettings):
         size = f"budget {self.budget}" if self.budget else f"r={self.compression_ratio:g}"
         extra = "".join(f" {k}={v}" for k, v in sorted(self.press_params.items()))
         mode = " streaming" if self.prefill == "streaming" else ""
-        quant = "" if self.kv_bits is None else f" kv{self.kv_bits}" + (
-            f"/g{self.kv_group_size}" if self.kv_group_size != 64 else "") + ("" if self.kv_hadamard else "/plain")
+        quant = self.kv_quant.run_label()
         if self.press == REFERENCE_PRESS:
             return f"{self.press}{quant}"
         return f"{self.press} {size} {self.head_budget}{mode}{quant}{extra}"
@@ -304,16 +312,8 @@ class BatchOptions(GenerationSettings, EngineSettings):
 
 
 def parse_kv_bits(text: str) -> Optional[int]:
-    """A ``--kv-bits`` value: 4 or 8, or 16/none for the model's own dtype (one axis of a sweep)."""
-    from nestedkv.press import KV_BITS
-
-    t = text.strip().lower()
-    if t in ("16", "none"):
-        return None
-    if t not in {str(b) for b in KV_BITS}:
-        raise ValueError(f"--kv-bits must be {' or '.join(map(str, KV_BITS))} (16 or none: no quantization), "
-                         f"got {text.strip()!r}")
-    return int(t)
+    """A ``--kv-bits`` value (one axis of a sweep): see ``KVQuant.parse_bits``."""
+    return KVQuant.parse_bits(text)
 
 
 def parse_press_param(text: str) -> tuple[str, Any]:

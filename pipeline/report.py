@@ -16,6 +16,7 @@ from typing import Optional, Union
 
 import pyarrow as pa
 
+from nestedkv.quant import KVQuant
 from pipeline.store import Store, StoreError
 
 
@@ -65,7 +66,7 @@ def _order(row: dict) -> tuple:
     order = press_order()
     rank = order.index(press) if press in order else len(order)
     return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
-            -(row.get("kv_bits") or 16), bool(row.get("kv_plain")), row["budget"] or 0, row["compression_ratio"])
+            KVQuant.from_fields(row).sort_key(), row["budget"] or 0, row["compression_ratio"])
 
 
 def quality_rows(store: Store) -> list[dict]:
@@ -86,10 +87,9 @@ def quality_rows(store: Store) -> list[dict]:
 
 
 def kv_label(row: dict, unit: str = "") -> Optional[str]:
-    """The KV width as the report writes it: ``4`` (``unit`` after the number), then ``plain`` for keys
-    quantized unrotated."""
-    bits = row.get("kv_bits")
-    return None if not bits else f"{bits}{unit}{' plain' if row.get('kv_plain') else ''}"
+    """The KV width as the report writes it: ``4`` (``unit`` after the number), then the group size when not
+    64 and ``plain`` for keys quantized unrotated (``KVQuant.label``)."""
+    return KVQuant.from_fields(row).label(unit).strip() or None
 
 
 def _fmt(value, fmt: str) -> str:

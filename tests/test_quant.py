@@ -467,7 +467,7 @@ def test_rotated_keys_refuse_a_model_that_is_not_routed(monkeypatch):
 def test_bench_quant_error_figure_ranks_the_quantizers():
     """``nkv bench quant``'s error part: one row per quantizer, over the documents long enough to score, and
     8 bits moves the loss far less than 4 bits."""
-    from pipeline.bench_quant import CONTINUATION, quantization_error
+    from bench.quant import CONTINUATION, quantization_error
     from pipeline.config import RunConfig
     from pipeline.documents import Document
     from pipeline.runner import Runner

@@ -451,6 +451,9 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path):
             {"run_id": "old-run", "status": "completed", "host": None}]
         assert s.query("SELECT n_tokens FROM outputs").column(0).to_pylist() == [5]
         assert s.query("SELECT bytes_kept FROM memory_savings").column(0).to_pylist() == [400]  # view replaced
+        # layers stored before hybrid models were all full attention
+        assert s.query("SELECT kind FROM layer_memory").column(0).to_pylist() == ["full"]
+        assert s.query("SELECT kind FROM layer_savings").column(0).to_pylist() == ["full"]
         assert s.query("SELECT * FROM peak_savings").num_rows == 0
         run = s.start_run(RunConfig(), "x")  # the migrated store takes new rows
         s.write_document(run, doc())
@@ -656,3 +659,19 @@ def test_a_file_that_is_not_duckdb_is_refused_and_kept(tmp_path):
     for read_only in (False, True):
         one_line_error(lambda: Store(path, read_only=read_only), "cannot open database")
     assert path.read_text() == "not a database"
+
+
+def test_sliding_layers_count_in_the_saved_share(db):
+    """A hybrid model's sliding layer (nothing evicted) is stored with its kind and summed into the views, so
+    the saved share is that of the whole KV, not of the compressed layers alone."""
+    from dataclasses import replace
+
+    r = doc(kept=((25, 25, 25.0), (100, 100, 100.0)))
+    r.layers[1] = replace(r.layers[1], kind="sliding")
+    run = db.start_run(RunConfig(compression_ratio=0.75), "x")
+    db.write_document(run, r)
+    full, kept = r.layers[0].bytes_full, r.layers[0].bytes_kept
+    (m,) = db.query("SELECT saved_share FROM memory_savings").to_pylist()
+    assert m["saved_share"] == pytest.approx(1 - (kept + full) / (2 * full))  # 0.375, not 0.75
+    kinds = db.query("SELECT layer, kind FROM layer_savings ORDER BY layer").to_pylist()
+    assert [x["kind"] for x in kinds] == ["full", "sliding"]

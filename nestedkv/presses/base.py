@@ -11,6 +11,7 @@ from typing import ClassVar, Optional
 import mlx.core as mx
 
 from nestedkv import rope, scoring
+from nestedkv.quant import KV_BITS, KV_GROUP_SIZES, KVQuant, check_kv_bits  # noqa: F401 (re-exported)
 from nestedkv.selection import (
     N_SINK,
     SAFEGUARD,
@@ -24,8 +25,6 @@ from nestedkv.selection import (
 from nestedkv.streaming import StreamScorer
 
 PREFILL_MODES = ("whole", "streaming")
-KV_BITS = (4, 8)  # quantized KV (mx.quantize, affine): the widths mlx-lm users pass as --kv-bits
-KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts; 64 is mlx-lm's default
 INT32_MAX = 2**31 - 1  # lengths and positions are int32 in the cache's arrays
 SEED_MAX = 2**64 - 1  # mx.random.key takes a uint64
 
@@ -45,6 +44,9 @@ class BasePress:
     rank: ClassVar[int] = 100  # position in method lists and report rows
     compared: ClassVar[bool] = False  # one of the default methods of `nkv eval` and the suite
     stream_scorer: ClassVar[type] = StreamScorer  # its state during a streaming prefill (see streaming.py)
+    # Scores need the model, not only the keys: ``model_scores`` runs after the prefill, inside compression
+    # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream.
+    needs_model: ClassVar[bool] = False
 
     compression_ratio: float = 0.0
     budget: Optional[int] = None
@@ -60,11 +62,11 @@ class BasePress:
     unrotate: bool = False
     # Quantize the kept rows (and rows appended later) to kv_bits, in groups of kv_group_size along the head
     # dimension, once compression is done; None: keep the model's dtype. Scoring always sees the real keys.
-    kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_bits: Optional[int] = None  # defaults: KVQuant's, declared once
+    kv_group_size: int = KVQuant().group_size
     # Quantized keys are stored rotated by a Hadamard matrix (queries are rotated alike at attention), so no
     # quantization group holds a key's outlier channels. False: mlx-lm's QuantizedKVCache layout, unrotated.
-    kv_hadamard: bool = True
+    kv_hadamard: bool = KVQuant().hadamard
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -91,9 +93,28 @@ class BasePress:
         check_kv_bits(self.kv_bits, self.kv_group_size)
         if not isinstance(self.kv_hadamard, bool):
             raise ValueError(f"kv_hadamard must be true or false, got {self.kv_hadamard!r}")
+        self.check_whole_prefill()
+
+    @property
+    def kv_quant(self) -> KVQuant:
+        return KVQuant.from_fields(self)
 
     def score(self, keys: mx.array) -> mx.array:
+        if self.needs_model:
+            raise ValueError(f"press {self.name!r} scores keys with the model: compress with "
+                             "nestedkv.compress(cache, model=model, tokens=context_ids) after the prefill")
         raise NotImplementedError
+
+    def model_scores(self, model, cache: list, tokens: list[int], prompt: list[int]) -> list[mx.array]:
+        """One ``[B, H, N]`` score per layer of an uncompressed ``cache`` holding ``tokens`` (the context);
+        ``prompt``: the tokens of an instruction a press may feed (e.g. "repeat the context")."""
+        raise NotImplementedError
+
+    def check_whole_prefill(self) -> None:
+        if self.needs_model and self.prefill != "whole":
+            raise ValueError(f"press {self.name!r} scores the whole context with the model after the prefill, so "
+                             "it cannot evict while prefilling (prefill='streaming', documents past the window); "
+                             "use prefill='whole', or a key-only press (nestedkv, keydiff) to stream")
 
     def n_keep(self, n: int) -> Optional[int]:
         return n_keep(n, self.compression_ratio, self.budget, self.n_sink)
@@ -108,6 +129,11 @@ class BasePress:
         if self.unrotate:
             keys = rope.required(unrope, self.name)(keys, 0)
         return self.select_scores(self.score(keys), keep)
+
+    def select_model_scores(self, scores: mx.array) -> Optional[Selection]:
+        """``select`` for scores a ``needs_model`` press computed; None when nothing needs evicting."""
+        keep = self.n_keep(scores.shape[2])
+        return None if keep is None else self.select_scores(scores, keep)
 
     def select_scores(self, scores: mx.array, keep: int, cap: Optional[int] = None) -> Selection:
         """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition);
@@ -133,10 +159,8 @@ class BasePress:
         # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
         if not self.unrotate:
             del params["unrotate"]
-        if self.kv_bits is None or not self.kv_hadamard:  # quantized before the rotation existed: unrotated
-            del params["kv_hadamard"]
-        if self.kv_bits is None:
-            del params["kv_bits"], params["kv_group_size"]
+        for name in self.kv_quant.unhashed():
+            del params[name]
         return json.dumps({"press": self.name, **params}, sort_keys=True)
 
     @staticmethod
@@ -164,14 +188,6 @@ def get_press(name: str, **params) -> BasePress:
 def compared_methods() -> tuple[str, ...]:
     """The methods `nkv eval` and the suite compare by default, in report order."""
     return tuple(n for n, cls in PRESSES.items() if cls.compared)
-
-
-def check_kv_bits(kv_bits, kv_group_size) -> None:
-    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
-        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None: no quantization), "
-                         f"got {kv_bits!r}")
-    if kv_group_size not in KV_GROUP_SIZES or isinstance(kv_group_size, bool):
-        raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from pipeline.metrics import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GO
 from pipeline.results import OK
 from pipeline.store import lake
 from pipeline.store.reads import Reads
+from pipeline.store.schema import DERIVED
 
 # Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
 QUALITY_SQL = f"""
 WITH ev AS (
-    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv_bits}} AS kv_bits,
-           -- quantized keys stored unrotated (configurations hash kv_hadamard only when it is on)
-           {{kv_bits}} IS NOT NULL AND json_extract_string(r.config_json, '$.kv_hadamard') IS DISTINCT FROM 'true'
-               AS kv_plain,
+    SELECT r.config_hash, r.model, r.press, r.head_budget, r.compression_ratio, r.budget, {{kv}},
+           NOT {{kv_hadamard}} AS kv_plain,  -- quantized keys stored unrotated
            e.doc_id, e.question_idx, e.metric, e.value
     FROM evaluations e JOIN runs r ON r.run_id = e.run_id
     QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.question_idx, e.metric
@@ -27,6 +26,7 @@ WITH ev AS (
 )
 SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_value(head_budget) AS head_budget,
        any_value(compression_ratio) AS compression_ratio, any_value(budget) AS budget, any_value(kv_bits) AS kv_bits,
+       any_value(kv_group_size) AS kv_group_size, any_value(kv_hadamard) AS kv_hadamard,
        any_value(kv_plain) AS kv_plain, count(DISTINCT doc_id) AS n_docs,
        count(*) FILTER (WHERE metric = '{CORRECT}') AS n_questions,
        avg(value) FILTER (WHERE metric = '{CORRECT}') AS accuracy,
@@ -57,7 +57,7 @@ FROM docs GROUP BY config_hash
 """
 
 SUITE_SCORES_SQL = """
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, s.task, s.length, s.kind,
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, {kv}, s.task, s.length, s.kind,
        e.doc_id, e.question_idx, e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN outputs o ON o.run_id = e.run_id AND o.doc_id = e.doc_id AND o.question_idx = e.question_idx
@@ -86,7 +86,7 @@ GROUP BY o.run_id, o.content_sha256, o.doc_id HAVING bool_and(o.status = '{OK}')
 """
 
 SUMMARY_SQL = f"""
-SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, r.kv_bits, e.doc_id, e.metric,
+SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, {{kv}}, e.doc_id, e.metric,
        e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
@@ -182,9 +182,17 @@ class Queries(Reads):
     # -- reports ----------------------------------------------------------------------------------
     def quality_by_config(self) -> list[dict]:
         """Answer quality per evaluated configuration (``QUALITY_SQL``), unordered."""
-        # Stores written before quantized KV have no runs.kv_bits (a read-only open does not migrate them).
-        kv = "r.kv_bits" if "kv_bits" in self.query("SELECT * FROM runs LIMIT 0").column_names else "NULL"
-        return self.query(QUALITY_SQL.replace("{kv_bits}", kv)).to_pylist()
+        return self.query(self._with_kv(QUALITY_SQL)).to_pylist()
+
+    def _with_kv(self, sql: str) -> str:
+        """``sql`` with ``{kv}`` (the quantization columns) and ``{kv_hadamard}`` filled in. A read-only open
+        does not migrate a store: one written before a column existed reads it from config_json (or NULL
+        bits: before quantized KV)."""
+        have = set(self.query("SELECT * FROM runs LIMIT 0").column_names)
+        bits = "r.kv_bits" if "kv_bits" in have else "NULL"
+        cols = {n: f"r.{n}" if n in have else DERIVED[n].format(r="r.").replace("r.kv_bits", bits) for n in DERIVED}
+        kv = ", ".join([f"{bits} AS kv_bits"] + [f"{e} AS {n}" for n, e in cols.items()])
+        return sql.replace("{kv}", kv).replace("{kv_hadamard}", cols["kv_hadamard"])
 
     def kept_by_config(self) -> list[dict]:
         """KV kept and resident shares, and resident MiB per document, per evaluated configuration
@@ -216,7 +224,7 @@ class Queries(Reads):
     def suite_scores(self, hashes: Sequence[str], docs: Sequence[str], metric: str) -> list[dict]:
         """The latest run's ``metric`` per (configuration, document, question), with the question's task and
         length, for these configuration hashes and document content hashes."""
-        return self.query(SUITE_SCORES_SQL, {"hashes": list(hashes), "docs": list(docs), "metric": metric}).to_pylist()
+        return self.query(self._with_kv(SUITE_SCORES_SQL), {"hashes": list(hashes), "docs": list(docs), "metric": metric}).to_pylist()
 
     def kv_bytes_by_document(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
         """Resident and full KV bytes per (configuration, document), latest run, for these configuration
@@ -226,4 +234,4 @@ class Queries(Reads):
     def summary_agreement(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
         """ROUGE-L and delta-NLL of each summary against the uncompressed one, latest run per (configuration,
         document), for these configuration hashes and document content hashes."""
-        return self.query(SUMMARY_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
+        return self.query(self._with_kv(SUMMARY_SQL), {"hashes": list(hashes), "docs": list(docs)}).to_pylist()

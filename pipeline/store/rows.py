@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Union
 
 import pyarrow as pa
 
+from nestedkv.quant import KVQuant
 from pipeline.config import RunConfig, code_version
 from pipeline.results import OK, DocumentResult
 from pipeline.store.errors import StoreError, one_line
@@ -50,7 +51,7 @@ def runs_table(run_id: str, config: RunConfig, input: str) -> pa.Table:
         "max_new_tokens": config.max_new_tokens, "config_json": config.canonical_json(),
         "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
         "code_version": code_version(), "input": str(input), "status": "running",
-        "prefill": getattr(config, "prefill", None), "kv_bits": getattr(config, "kv_bits", None),
+        "prefill": getattr(config, "prefill", None), **KVQuant.from_fields(config).as_fields(),
         "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
     }])
 

@@ -14,12 +14,24 @@ from pipeline.store.views import VIEWS
 SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 
+# Columns added since that need a value in old rows: every layer stored before hybrid models was full attention.
+COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'"}
+# Columns added after runs were stored, as their values follow from a run's config_json (``{r}``: the
+# runs table's alias): what a migration fills in, and what a read-only open of an unmigrated store reads.
+# The hash leaves the settings out at their defaults (KVQuant.unhashed), hence the defaults here.
+DERIVED = {
+    "kv_group_size": "coalesce(TRY_CAST(json_extract_string({r}config_json, '$.kv_group_size') AS INTEGER), 64)",
+    "kv_hadamard": "({r}kv_bits IS NULL OR coalesce(json_extract_string({r}config_json, '$.kv_hadamard') = 'true', "
+                   "false))",
+}
+
 # (name, DuckDB type, Arrow type): one list per table drives both the DDL and the Arrow batches.
 _S = ("VARCHAR", pa.string())
 _I = ("INTEGER", pa.int32())
 _B = ("BIGINT", pa.int64())
 _F = ("DOUBLE", pa.float64())
 _T = ("TIMESTAMP", pa.timestamp("us"))
+_BOOL = ("BOOLEAN", pa.bool_())
 
 TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
     "runs": [
@@ -29,6 +41,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("code_version", _S), ("input", _S), ("status", _S), ("n_documents", _I), ("n_errors", _I),
         ("prefill", _S), ("host", _S), ("pid", _I), ("pid_started_at", _F),  # pid_started_at: epoch seconds
         ("kv_bits", _I),  # NULL: the model's dtype
+        ("kv_group_size", _I), ("kv_hadamard", _BOOL),  # nestedkv.quant.KVQuant's other settings
     ],
     "documents": [("doc_id", _S), ("content_sha256", _S), ("n_chars", _B), ("n_tokens", _I), ("title", _S)],
     "outputs": [
@@ -44,6 +57,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("head_dim", _I), ("dtype", _S), ("tokens_seen", _I), ("kept_min", _I), ("kept_max", _I),
         ("kept_mean", _F), ("bytes_full", _B), ("bytes_kept", _B), ("bytes_resident", _B),
         ("peak_prefill_kv_bytes", _B), ("peak_decode_kv_bytes", _B),
+        ("kind", _S),  # full (compressed), sliding (window) or state: the layer's cache
     ],
     "evaluations": [
         ("run_id", _S), ("doc_id", _S), ("question_idx", _I), ("metric", _S), ("value", _F),
@@ -111,9 +125,15 @@ def create_or_migrate(con: duckdb.DuckDBPyConnection, keys: bool) -> None:
     tables = {t for t, _ in have}
     for name, cols in TABLES.items():
         con.execute(ddl(name, keys=keys))
+        derived = []
         for c, t in cols:
             if name in tables and (name, c) not in have:  # a column added since the table was created
-                con.execute(f"ALTER TABLE {name} ADD COLUMN {c} {t[0]}")
+                default = COLUMN_DEFAULTS.get((name, c))
+                con.execute(f"ALTER TABLE {name} ADD COLUMN {c} {t[0]}" + (f" DEFAULT {default}" if default else ""))
+                if name == "runs" and c in DERIVED:
+                    derived.append(f"{c} = {DERIVED[c].format(r='')}")
+        if derived:  # one UPDATE after every ALTER: DuckDB 1.5 fails the commit of an ALTER after an UPDATE
+            con.execute(f"UPDATE {name} SET {', '.join(derived)}")
     for sql in VIEWS.values():  # replaced on every writable open, so view changes reach old stores
         con.execute(sql)
     con.execute("DELETE FROM schema_version")

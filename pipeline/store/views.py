@@ -23,6 +23,7 @@ GROUP BY {_RUN_KEY}
 LAYER_SAVINGS_SQL = f"""
 CREATE OR REPLACE VIEW layer_savings AS
 SELECT {_RUN_KEY}, m.layer,
+       min(coalesce(m.kind, 'full')) AS kind,
        count(*) AS n_documents,
        avg(m.tokens_seen) AS tokens_seen,
        avg(m.kept_min) AS kept_min,

@@ -11,7 +11,7 @@
 3. Every method x ratio x head budget x prefill mode through the engine, one whole-context prefill per
    document, into the same DuckDB store (``evaluations`` gains a ``recall`` metric per question: RULER's
    score, the share of the gold parts found in the answer; ``correct`` for one-part questions). Documents of
-   4k tokens and more also run NestedKV's per-scale variants (``pipeline.ablation``) at r = 0.75 and 0.9.
+   4k tokens and more also run NestedKV's per-scale variants (``bench.ablation``) at r = 0.75 and 0.9.
 4. Report (``OUT/suite_report.md``, ``OUT/frontier.png``): accuracy per task x length x configuration; the
    headline, NestedKV against KeyDiff in the same budget mode on the calibrated cells of the longest
    lengths (4k and up when there are any), as paired per-question counts (better / worse / same) with the
@@ -33,7 +33,7 @@ from pipeline.documents import sha256_hex
 from pipeline.suite.options import (ABLATION_FILE, HEADLINE_RATIOS, LONG_FROM, MARKDOWN_NAME, METHODS_FILE,  # noqa: F401
                                     PLOT_NAME, PREFILLS_DIR, QUESTIONS_FILE, SUITE_FILE, SUMMARY_FILE, SuiteOptions,
                                     SuiteResult, methods)
-from pipeline.suite.report import (COLOURS, ablation_table, accuracy_tables, headline_table, plot_frontier,  # noqa: F401
+from pipeline.suite.report import (ablation_table, colour, accuracy_tables, headline_table, plot_frontier,  # noqa: F401
                                    resident_mib, summary_table, write_report)
 from pipeline.suite.scores import (RECALL, calibration, headline, label, paired, question_rows, recall,  # noqa: F401
                                    register, score)

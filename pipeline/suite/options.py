@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import nestedkv  # compared_methods loads mlx: through the package's lazy names
 from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
 from pipeline.spec import PressGrid
 from pipeline.tasks import SIZES, TASKS
@@ -14,9 +15,7 @@ from pipeline.tasks import SIZES, TASKS
 
 def methods() -> tuple[str, ...]:
     """The methods a suite compares by default: the registry's (loaded on first use, not at import)."""
-    from nestedkv.press import compared_methods
-
-    return compared_methods()
+    return nestedkv.compared_methods()
 
 
 def default_grid() -> PressGrid:
@@ -54,7 +53,7 @@ class SuiteOptions:
     threshold: float = 0.6
     all_tasks: bool = False  # run the methods on the cells that failed calibration too
     austen: Optional[str] = None
-    ablation: bool = True  # NestedKV's per-scale variants (pipeline.ablation) at the headline ratios
+    ablation: bool = True  # NestedKV's per-scale variants (pipeline.suite.variants) at the headline ratios
     variants: Optional[tuple[str, ...]] = None  # which of them (default: every NestedKV variant)
     summaries: int = 0  # plain documents per long length whose compressed summaries are compared
     summary_tokens: int = 128  # max_new_tokens of a summary
@@ -81,7 +80,7 @@ class SuiteOptions:
         if self.grid.budget:
             raise ValueError("budget: the suite compares ratios across lengths; give --compression-ratio")
         if self.variants is not None:
-            from pipeline.ablation import VARIANTS
+            from pipeline.suite.variants import VARIANTS
 
             unknown = [v for v in self.variants if VARIANTS.get(v, ("",))[0] != "nestedkv"]
             if unknown:
@@ -116,7 +115,7 @@ class SuiteOptions:
 
     def ablation_configs(self) -> dict[RunConfig, str]:
         """NestedKV's variants (each scale alone, no gate, ...) at the headline ratios: config -> variant name."""
-        from pipeline.ablation import VARIANTS, variant_configs
+        from pipeline.suite.variants import VARIANTS, variant_configs
 
         if not self.ablation:
             return {}

@@ -11,18 +11,21 @@ from typing import Optional, Sequence
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
 from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SuiteOptions, SuiteResult
-from pipeline.suite.scores import RECALL, _mean, bits_label, calibration, headline, label, paired
+import nestedkv  # PRESSES loads mlx: through the package's lazy names
+from nestedkv.quant import KVQuant
+from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired
 from pipeline.tasks import TASKS, length_label
-
-COLOURS = {"nestedkv": "C3", "keydiff": "C0", "knorm": "C2", "streaming_llm": "C1", "random": "C7"}
-
 
 def _rank(press: str) -> int:
     """A press's place in the tables: the registry's order."""
-    from nestedkv.press import PRESSES
-
-    order = list(PRESSES)
+    order = list(nestedkv.PRESSES)
     return order.index(press) if press in order else -1
+
+
+def colour(press: str) -> str:
+    """A press's colour in the plots, by its place in the registry (matplotlib's cycle; C9 for others)."""
+    rank = _rank(press)
+    return f"C{rank % 9}" if rank >= 0 else "C9"
 
 
 def _fmt(x: float, digits: int = 2) -> str:
@@ -57,7 +60,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
             calibrated = [s["value"] for s in ss if (s["task"], s["length"]) in ok]
             ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
             rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
-                          -(s0.get("kv_bits") or 16), s0["compression_ratio"]),  # 16 bits first
+                          KVQuant.from_fields(s0).sort_key(), s0["compression_ratio"]),  # 16 bits first
                          [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
                           "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2)]))
@@ -168,7 +171,7 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
             # colour: the method; line: the head budget; marker: the prefill mode, or the KV width
             press = name.split()[0]
             marker = "s" if " streaming" in name else "v" if " 4-bit" in name else "^" if " 8-bit" in name else "o"
-            ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], color=COLOURS.get(press, "C9"),
+            ax.plot([x for x, _, _ in xs], [y for _, y, _ in xs], color=colour(press),
                     linestyle="--" if " adaptive" in name else "-", marker=marker,
                     linewidth=2.2 if press == "nestedkv" else 1.2, markersize=5, label=name)
         ax.set_title(f"{length_label(length)} tokens ({which})")
@@ -187,7 +190,7 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
 def headline_table(heads: Sequence[dict], a: str, b: str, digits: int) -> list[str]:
     return _table(["r", "head budget", "prefill", "questions", a, b, "better", "worse", "same", "mean diff +- SE"],
                   [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
-                    h["prefill"] + bits_label(h.get("kv_bits")), h["n"],
+                    h["prefill"] + h["quant"].label(), h["n"],
                     _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
                     f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
 

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import contains_gold
 from pipeline.suite.options import HEADLINE_RATIOS, LONG_FROM, QUESTIONS_FILE
@@ -52,12 +53,12 @@ def label(row: dict) -> str:
     if row["press"] == "no_press":
         return "no_press"
     mode = " streaming" if row["prefill"] == "streaming" else ""
-    return f"{row['press']} {row['head_budget']}{mode}{bits_label(row.get('kv_bits'))}"
+    return f"{row['press']} {row['head_budget']}{mode}{bits_label(row)}"
 
 
-def bits_label(kv_bits: Optional[int]) -> str:
-    """The label suffix of a quantized configuration (" 4-bit"); none for the model's own dtype."""
-    return f" {kv_bits}-bit" if kv_bits else ""
+def bits_label(row: dict) -> str:
+    """The label suffix of a quantized configuration (" 4-bit", " 4-bit plain"); none for the model's dtype."""
+    return KVQuant.from_fields(row).label()
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -79,12 +80,12 @@ def calibration(scores: Sequence[dict], threshold: float) -> list[dict]:
 
 def paired(scores: Sequence[dict], a: dict, b: dict, cells: set, lower_is_better: bool = False) -> dict:
     """Per question in ``cells``: configuration ``a``'s score against ``b``'s (each a dict of press, head
-    budget, prefill, ratio, or a config hash), as counts better / worse / same, the mean difference a - b and
+    budget, prefill, ratio, ``quant`` (a KVQuant), or a config hash), as counts better / worse / same, the mean difference a - b and
     its standard error."""
 
     def pick(cfg):  # a dict of fields, or a config hash
         same = (lambda s: s["config_hash"] == cfg) if isinstance(cfg, str) else \
-            (lambda s: all(s.get(k) == v for k, v in cfg.items()))
+            (lambda s: all(KVQuant.from_fields(s) == v if k == "quant" else s.get(k) == v for k, v in cfg.items()))
         return {(s["doc_id"], s["question_idx"]): s["value"] for s in scores if (s["task"], s["length"]) in cells
                 and same(s)}
 
@@ -107,15 +108,16 @@ def headline(scores: Sequence[dict], calib: Sequence[dict], ratios=HEADLINE_RATI
     lengths = sorted({c["length"] for c in calib})
     long = [n for n in lengths if n >= long_from] or lengths
     cells = {(c["task"], c["length"]) for c in calib if c["headline"] and c["length"] in long}
-    modes = sorted({(s["head_budget"], s["prefill"], s.get("kv_bits") or 0) for s in scores
-                    if s["press"] == "nestedkv"})
+    # a mode is every setting but the press: rotated and unrotated 4-bit keys are two modes, never one
+    modes = sorted({(s["head_budget"], s["prefill"], KVQuant.from_fields(s)) for s in scores
+                    if s["press"] == "nestedkv"}, key=lambda m: (m[0], m[1], m[2].sort_key()))
     out = []
     for r in ratios:
-        for hb, pf, bits in modes:
-            cfg = {"compression_ratio": r, "head_budget": hb, "prefill": pf, "kv_bits": bits or None}
+        for hb, pf, quant in modes:
+            cfg = {"compression_ratio": r, "head_budget": hb, "prefill": pf, "quant": quant}
             p = paired(scores, {"press": "nestedkv", **cfg}, {"press": "keydiff", **cfg}, cells, lower_is_better)
             if p["n"]:
-                out.append({"ratio": r, "head_budget": hb, "prefill": pf, "kv_bits": bits or None, **p})
+                out.append({"ratio": r, "head_budget": hb, "prefill": pf, "kv_bits": quant.bits, "quant": quant, **p})
     for r in ratios:  # the best NestedKV budget mode per ratio (by its own accuracy), marked
         rows = [h for h in out if h["ratio"] == r]
         if rows:
