@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+FULL, SLIDING, STATE = "full", "sliding", "state"  # a layer's cache: compressed, window, state (kept as is)
+
 
 @dataclass(frozen=True)
 class LayerMemory:
@@ -28,6 +30,8 @@ class LayerMemory:
     # Peak resident bytes of this layer's K/V buffers in each phase; filled in by whoever ran the phases.
     peak_prefill_kv_bytes: int = 0
     peak_decode_kv_bytes: int = 0
+    # What the layer's cache is: "full" attention (compressed), "sliding" window or "state" (kept as is).
+    kind: str = "full"
 
     @property
     def kept_fraction(self) -> float:
@@ -81,17 +85,38 @@ def layer_memory(c, layer: int) -> LayerMemory:
     )
 
 
+def other_memory(c, layer: int) -> LayerMemory:
+    """Accounting of a layer kept as mlx-lm has it: what it holds is both its full and its kept bytes
+    (nothing of it is evicted), and resident is what its arrays take."""
+    from mlx_lm.models.cache import ArraysCache
+
+    nbytes = c.nbytes
+    if isinstance(c, ArraysCache):
+        arrays = [a for a in c.cache if a is not None]
+        dtype = str(arrays[0].dtype).removeprefix("mlx.core.") if arrays else "none"
+        return LayerMemory(layer, 0, 0, dtype, 0, 0, 0, 0.0, nbytes, nbytes, nbytes, kind=STATE)
+    if c.keys is None:
+        return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0, kind=SLIDING)
+    rows = min(c.offset, c.keys.shape[2])  # rows holding keys (the buffer may have grown past them)
+    B, H, _, D = c.keys.shape
+    held = B * H * rows * (D + c.values.shape[3]) * c.keys.dtype.size
+    return LayerMemory(layer, H, D, str(c.keys.dtype).removeprefix("mlx.core."), c.offset, rows, rows,
+                       float(rows), held, held, nbytes, kind=SLIDING)
+
+
 def layer_stats(cache) -> list[LayerMemory]:
-    """One ``LayerMemory`` per layer of a cache list made by ``make_cache``."""
-    return [c.memory(i) for i, c in enumerate(cache)]
+    """One ``LayerMemory`` per layer of a cache list made by ``make_cache`` (every layer, whatever its kind)."""
+    return [c.memory(i) if hasattr(c, "memory") else other_memory(c, i) for i, c in enumerate(cache)]
 
 
 def peak_kv_bytes(cache) -> list[int]:
     """Per layer, the largest resident K/V buffer bytes since the last ``reset_peak`` (or since creation)."""
-    return [c.peak_nbytes for c in cache]
+    # The layers mlx-lm keeps as is have no peak of their own: what they hold now.
+    return [c.peak_nbytes if hasattr(c, "peak_nbytes") else c.nbytes for c in cache]
 
 
 def reset_peak(cache) -> None:
     """Start a new peak window on every layer: each peak becomes what the layer holds now."""
     for c in cache:
-        c.reset_peak()
+        if hasattr(c, "reset_peak"):  # the layers mlx-lm keeps have no peak of their own
+            c.reset_peak()

@@ -23,7 +23,11 @@ def stack(caches: Sequence[list]) -> list:
     Not supported: uncompressed caches, and mlx-lm's ``merge``/``BatchKVCache`` (refused).
     """
     out = []
-    for layer in zip(*caches):
+    for i, layer in enumerate(zip(*caches)):
+        if not all(isinstance(c, NestedKVCache) for c in layer):
+            raise ValueError(f"stack batches full-attention layers only; layer {i} of this hybrid model is a "
+                             f"{type(layer[0]).__name__} (sliding window or state): decode its documents one "
+                             "at a time")
         if not all(c.compressed for c in layer):
             raise ValueError("stack needs compressed caches (compress each before decoding them together)")
         quant = {c.quant for c in layer}

@@ -21,13 +21,15 @@ from nestedkv.attention import install_attention_hook  # noqa: F401  (kept impor
 from nestedkv.batching import stack, take  # noqa: F401  (public here)
 from nestedkv.buffers import check_divides, check_hadamard
 from nestedkv.kvcache import NestedKVCache, check_context_len, route
+from nestedkv.layer_kinds import FULL, copy_layer, is_kept_as_is, kind_of, remember_context, restore_context
 from nestedkv.press import BasePress
 from nestedkv.rope import model_rope
 
 
 def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None,
-               positions: Optional[int] = None) -> list[NestedKVCache]:
-    """One NestedKVCache per layer; a drop-in ``prompt_cache`` for mlx-lm.
+               positions: Optional[int] = None) -> list:
+    """One NestedKVCache per full-attention layer; a drop-in ``prompt_cache`` for mlx-lm. The sliding-window
+    and state layers of hybrid models (Gemma 3, gpt-oss, Qwen3-Next, ...) keep mlx-lm's own cache.
 
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
@@ -45,13 +47,19 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
     context_len = check_context_len(context_len)
     defaults = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    for i, c in enumerate(defaults):
-        if type(c) is not KVCache:
-            raise ValueError(
-                f"layer {i} uses {type(c).__name__}; NestedKV compresses only full-attention KVCache layers"
-            )
+    kinds = [kind_of(c, i) for i, c in enumerate(defaults)]
+    if FULL not in kinds:
+        raise ValueError(f"{type(model).__module__} has no full-attention (KVCache) layer: nothing grows "
+                         "with the document, so there is nothing for NestedKV to compress")
+    hybrid = len(set(kinds)) > 1
+    if positions is not None and hybrid:
+        raise ValueError("positions (reading past the window) moves keys to new rope positions, which the "
+                         "sliding-window and state layers of this hybrid model cannot follow")
     if press is not None and press.kv_bits is not None:
         check_group_size(model, press.kv_group_size, press.kv_hadamard)
+        if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in model.layers):
+            raise ValueError(f"kv_bits: {type(model).__module__} has attention sinks, which mlx's quantized "
+                             "attention does not support: run it with kv_bits=None")
     if positions is not None and (press is None or press.prefill != "streaming"):
         raise ValueError("positions (reading past the window) needs a press with prefill='streaming': only "
                          "eviction while prefilling keeps a document of any length within the window")
@@ -60,7 +68,8 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
         raise ValueError(f"kv_hadamard needs a model whose attention calls mlx-lm's scaled_dot_product_attention "
                          f"(the queries are rotated there); {type(model).__module__} does not: quantize "
                          "with kv_hadamard=False")
-    cache = _bind([NestedKVCache(press, context_len, positions) for _ in defaults], model, press)
+    cache = _bind([NestedKVCache(press, context_len, positions) if k == FULL else c
+                   for k, c in zip(kinds, defaults)], model, press)
     if positions is not None and cache[0].rope_spec is None:
         raise ValueError(f"reading past the window moves keys to new rope positions: the model "
                          f"{type(model).__name__} has no rope module this can be done with")
@@ -70,16 +79,18 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
 def _bind(cache: list, model, press: Optional[BasePress]) -> list:
     """Give the layers the model's rope (kept by ``clone`` and saved files), which presses scoring unrotated
     keys need; a model whose rope cannot be undone fails only such a press."""
-    try:
-        spec = model_rope(model)
-    except ValueError:
-        if press is not None and press.unrotate:
-            raise
-        spec = None
-    if spec is None and press is not None and press.unrotate:
-        raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo; "
-                         "set the press's unrotate=false")
-    for c in cache:
+    for i, c in enumerate(cache):
+        if not isinstance(c, NestedKVCache):
+            continue
+        try:
+            spec = model_rope(model, i)  # each layer its own (Gemma 3: local and global bases differ)
+        except ValueError:
+            if press is not None and press.unrotate:
+                raise
+            spec = None
+        if spec is None and press is not None and press.unrotate:
+            raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo; "
+                             "set the press's unrotate=false")
         c.rope_spec = spec
     return cache
 
@@ -96,16 +107,50 @@ def check_group_size(model, group_size: int, hadamard: bool = False) -> None:
 
 
 def _check_cache(cache) -> None:
-    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, NestedKVCache) for c in cache):
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, NestedKVCache) or is_kept_as_is(c)
+                                                           for c in cache):
         raise TypeError("cache must be the list returned by nestedkv.make_cache(model, press)")
 
 
-def compress(cache) -> None:
-    """Compress every layer once, after the last chunk of the context; evaluates the result."""
+def compress(cache, model=None, tokens=None, prompt=()) -> None:
+    """Compress every full-attention layer once, after the last chunk of the context (the layers mlx-lm keeps
+    as is stay so); evaluates the result. A press that scores with the model (``needs_model``) needs ``model``
+    and the context's ``tokens``; ``prompt``: the tokens of its instruction (KVzip's "repeat the context")."""
+    _check_cache(cache)
+    press = press_of(cache)
+    full = [c for c in cache if isinstance(c, NestedKVCache)]
+    scores = [None] * len(cache)
+    if press.needs_model and not full[0].compressed:
+        if len(full) < len(cache):  # its probe pass feeds full-attention caches only
+            raise ValueError(f"press {press.name!r} scores with the model on full-attention models only; this "
+                             "model has sliding-window or state layers: use a key-only press (nestedkv, keydiff)")
+        if model is None or tokens is None:
+            raise ValueError(f"press {press.name!r} scores keys with the model: call "
+                             "nestedkv.compress(cache, model=model, tokens=context_ids)")
+        if len(tokens) != full[0].stored:
+            raise ValueError(f"press {press.name!r}: {len(tokens)} tokens given for a cache of {full[0].stored} "
+                             "context positions")
+        scores = press.model_scores(model, cache, list(tokens), list(prompt))
+    for c, s in zip(cache, scores):
+        if isinstance(c, NestedKVCache):
+            c.compress(s)
+        else:
+            remember_context(c)
+    mx.eval([c.state for c in cache])
+
+
+def press_of(cache) -> BasePress:
+    """The press of a cache list (its compressed layers'; a hybrid model's first layer may be one mlx-lm keeps)."""
+    _check_cache(cache)
+    return next(c.press for c in cache if isinstance(c, NestedKVCache))
+
+
+def rewind(cache) -> None:
+    """Every layer back to the compressed context (the rows of a question and its answer go): trimmed where
+    NestedKV compresses, restored to the end of the context where mlx-lm keeps the layer as is."""
     _check_cache(cache)
     for c in cache:
-        c.compress()
-    mx.eval([c.state for c in cache])
+        c.rewind() if isinstance(c, NestedKVCache) else restore_context(c)
 
 
 def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKVCache]:
@@ -117,6 +162,9 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
     out = []
     for c in cache:
+        if is_kept_as_is(c):
+            out.append(copy_layer(c))
+            continue
         d = copy.copy(c)
         d.layout = c.layout.copy(c.stored)
         if c.stream is not None:

@@ -32,16 +32,26 @@ def describe(rope) -> dict:
                      "set the press's unrotate=false")
 
 
-def from_description(d: dict) -> Unrope:
+def from_description(d: dict, sign: float = -1.0) -> Unrope:
     """The inverse rope: the same rotation by minus the angle (rope is linear in the angle and a rotation,
-    so rotating by -theta undoes it exactly up to rounding). ``offset`` is the first key's position, or an
-    int array with one position per batch row (see ``at_positions``)."""
+    so rotating by -theta undoes it exactly up to rounding); ``sign=1``: the rope itself (without YaRN's
+    constant factor). ``offset`` is the first key's position, or an int array with one position per batch row
+    (see ``at_positions``)."""
     if "freqs" in d:
         freqs = mx.array(d["freqs"], dtype=mx.float32)
         return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=None,
-                                                scale=-1.0, offset=offset, freqs=freqs)
+                                                scale=sign, offset=offset, freqs=freqs)
     return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=d["base"],
-                                            scale=-d["scale"], offset=offset)
+                                            scale=sign * d["scale"], offset=offset)
+
+
+def mean_rotation(d: dict, start: int, count: int, dim: int) -> mx.array:
+    """``[dim, dim]``: the rope at positions ``start .. start + count - 1`` averaged, as a matrix acting on row
+    vectors (``x @ M`` is the mean of x rotated to each of those positions); rope is linear in x."""
+    rope = from_description(d, sign=1.0)
+    eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32), (count, dim, dim)).reshape(count * dim, 1, 1, dim)
+    pos = mx.repeat(mx.arange(start, start + count, dtype=mx.int32), dim)
+    return mx.mean(rope(eye, pos).reshape(count, dim, dim), axis=0)
 
 
 def inverse(rope) -> Unrope:
@@ -65,11 +75,11 @@ def required(unrope: Unrope | None, press_name: str) -> Unrope:
     return unrope
 
 
-def model_rope(model) -> dict | None:
-    """The description (``describe``) of a model's attention rope (its first layer's), or None when it has
-    no rope module."""
+def model_rope(model, layer: int = 0) -> dict | None:
+    """The description (``describe``) of a layer's attention rope (the first layer's by default: hybrid
+    models such as Gemma 3 give local and global layers different bases), or None when it has none."""
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None) or []
-    rope = getattr(getattr(layers[0], "self_attn", None), "rope", None) if layers else None
+    rope = getattr(getattr(layers[layer], "self_attn", None), "rope", None) if len(layers) > layer else None
     return None if rope is None else describe(rope)
 
 

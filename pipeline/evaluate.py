@@ -34,6 +34,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+import nestedkv
+
 from pipeline.results import TOO_LONG
 
 from pipeline.metrics import (AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
@@ -165,8 +167,7 @@ def teacher_force(model, cache, question_ids: Sequence[int], answer_ids: Sequenc
         mx.eval(out)
         return np.array(out)
     finally:
-        for c in cache:
-            c.rewind()
+        nestedkv.rewind(cache)
 
 
 def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], reference_run_id: Optional[str]) -> list[dict]:

@@ -46,9 +46,13 @@ def split(runner, doc: Document, room: int) -> list[Document]:
 def run(runner, prepared, res: DocumentResult, press, on_prefill=None) -> DocumentResult:
     """Answer from every part (compressed by ``press``), then choose or reduce into ``res``."""
     picks: list[list] = [[] for _ in res.questions]
+    total, done = sum(len(p.context_ids) for p in prepared.parts), 0
     for part in prepared.parts:
         got = copy.deepcopy(res)
-        cache = runner.prefill(part, got, press=press, on_prefill=on_prefill)
+        # progress over the whole document (every part's tokens), not one part at a time
+        seen = on_prefill and (lambda n, _, at=done: on_prefill(at + n, total))
+        done += len(part.context_ids)
+        cache = runner.prefill(part, got, press=press, on_prefill=seen)
         runner.finish(cache, part, got)
         _add_costs(res, got)
         for k, q in enumerate(got.questions):

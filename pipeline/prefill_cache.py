@@ -100,7 +100,7 @@ class PrefillCache:
             return None
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
-            if meta.get("key") != key or any(c.offset != n_tokens or c.compressed for c in cache):
+            if meta.get("key") != key or any(getattr(c, "offset", n_tokens) != n_tokens or getattr(c, "compressed", False) for c in cache):
                 raise ValueError("entry does not match its key")
         except Exception as exc:  # a damaged or foreign file costs a prefill, never the document
             log.warning("prefill cache entry %s ignored (%s: %s); prefilling again", path.name, type(exc).__name__, exc)

@@ -22,6 +22,9 @@ from pipeline.window import PreparedDocument
 Progress = Callable[[int, int], None]
 
 
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
+
+
 def _backbone(model):
     # The transformer without the LM head: context chunks need only the cache, and the head is
     # ~20% of a small model's prefill FLOPs.
@@ -57,8 +60,7 @@ def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: floa
 
 
 def rewind(cache) -> None:
-    for c in cache:
-        c.rewind()
+    nestedkv.rewind(cache)
 
 
 class Runner:
@@ -87,9 +89,11 @@ class Runner:
             asked = doc.questions
         else:
             asked = [None]
+        window.check_size(doc.doc_id, doc.n_chars, None, cfg)
         golds = list(doc.answers or []) + [None] * len(asked)
         parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg, q)) for q in asked]
         context_ids = encode(self.tokenizer, parts[0].context)
+        window.check_size(doc.doc_id, doc.n_chars, len(context_ids), cfg)
         questions = [
             (q if q is not None else cfg.summary_instruction, encode(self.tokenizer, p.question), g)
             for q, p, g in zip(asked, parts, golds)
@@ -122,6 +126,9 @@ class Runner:
         res = DocumentResult(doc.doc_id, doc.content_sha256, doc.n_chars, doc.title)
         try:
             prepared = self.prepare(doc)
+        except window.OverLimit as exc:
+            res.status, res.error = TOO_LONG, str(exc)
+            return res, None
         except ValueError as exc:
             res.status, res.error = ERROR, str(exc)
             return res, None
@@ -168,15 +175,22 @@ class Runner:
         res.peak_prefill_bytes = mx.get_peak_memory()
         return cache
 
-    def compress(self, cache, res: DocumentResult) -> None:
-        """Compress a prefilled cache once; time it and account for its memory (peaks include the prefill's)."""
+    def compress(self, cache, res: DocumentResult, tokens: Optional[list[int]] = None) -> None:
+        """Compress a prefilled cache once; time it and account for its memory (peaks include the prefill's).
+        ``tokens``: the context, for presses that score with the model (their passes count as compression)."""
         t0 = time.perf_counter()
-        nestedkv.compress(cache)
+        nestedkv.compress(cache, model=self.model, tokens=tokens, prompt=self.repeat_prompt())
         res.compress_s = time.perf_counter() - t0
         res.peak_prefill_bytes = max(res.peak_prefill_bytes, mx.get_peak_memory())
         peaks = nestedkv.peak_kv_bytes(cache)
         res.peak_kv_prefill_bytes = sum(peaks)
         res.layers = [replace(m, peak_prefill_kv_bytes=p) for m, p in zip(nestedkv.layer_stats(cache), peaks)]
+
+    def repeat_prompt(self) -> list[int]:
+        """KVzip's reconstruction instruction, in this model's tokens (encoded once)."""
+        if not hasattr(self, "_repeat_ids"):
+            self._repeat_ids = list(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+        return self._repeat_ids
 
     def answer_all(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
         """Answer every question from the compressed cache, one at a time, rewinding after each."""
@@ -193,7 +207,7 @@ class Runner:
 
     def finish(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
         """Compress the prefilled cache once, then answer every question from it."""
-        self.compress(cache, res)
+        self.compress(cache, res, prepared.context_ids)
         return self.answer_all(cache, prepared, res)
 
     def run(self, doc: Document, on_prefill: Optional[Progress] = None) -> DocumentResult:

@@ -6,7 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.config import RunConfig
+from pipeline.config import CHARS_PER_TOKEN, RunConfig
+
+
+class OverLimit(ValueError):
+    """A document longer than ``max_doc_tokens``: refused (a too_long row) before it is read."""
+
+
+def check_size(doc_id: str, n_chars: int, n_tokens: Optional[int], cfg: RunConfig) -> None:
+    """Refuse a document over ``max_doc_tokens``, by its characters before tokenizing (the tokenizer's
+    memory grows with the text), then by its tokens."""
+    limit = cfg.max_doc_tokens
+    if n_tokens is None and n_chars > limit * CHARS_PER_TOKEN:
+        raise OverLimit(f"document {doc_id!r}: {n_chars:,} characters, over the limit of "
+                        f"{limit * CHARS_PER_TOKEN:,} ({CHARS_PER_TOKEN} per token of --max-doc-tokens {limit:,}); "
+                        "split it or raise --max-doc-tokens")
+    if n_tokens is not None and n_tokens > limit:
+        raise OverLimit(f"document {doc_id!r}: {n_tokens:,} tokens, over --max-doc-tokens {limit:,}; "
+                        "split it or raise --max-doc-tokens")
 
 
 @dataclass

@@ -366,7 +366,7 @@ def test_unpadded_adaptive_attention_equals_the_padded_path_on_smollm2(tokens):
 
 def test_prefill_profile_times_the_three_attention_paths(tiny_model, tokens, monkeypatch):
     """``nkv bench kernels``'s prefill profile: each path timed, and the module's functions as they were after."""
-    from nestedkv import bench
+    from bench import kernels as bench
 
     monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
     model = tiny_model("llama", n_layers=2)

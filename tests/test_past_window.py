@@ -211,3 +211,44 @@ def test_long_docs_hash_as_truncate_did():
     assert dumps["map_reduce"]["truncate"] is False and "long_docs" not in dumps["map_reduce"]
     assert dumps["refuse"]["long_docs"] == "refuse" and dumps["stream"]["long_docs"] == "stream"
     assert len({RunConfig(long_docs=w).config_hash() for w in dumps}) == 4
+
+
+def test_a_document_over_the_limit_is_refused_before_it_is_tokenized(monkeypatch):
+    """Over 8 characters per token of --max-doc-tokens, the text is refused unread (the tokenizer's memory grows
+    with it); under that but over in tokens, refused once counted; the default limit leaves the hash as it was."""
+    calls = []
+    real = ByteTokenizer.encode
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, t, **kw: calls.append(len(t)) or real(self, t, **kw))
+    res = runner(max_doc_tokens=len(TEXT) // 8 - 1).run(doc())
+    assert res.status == TOO_LONG and "'long'" in res.error and "characters" in res.error and calls == []
+    res = runner(max_doc_tokens=len(TEXT) - 1).run(doc())
+    assert res.status == TOO_LONG and "tokens, over --max-doc-tokens" in res.error and calls
+    assert runner(max_doc_tokens=len(TEXT) + 100).run(doc()).status == OK
+    assert "max_doc_tokens" not in RunConfig().canonical_json()
+    assert RunConfig(max_doc_tokens=1000).config_hash() != RunConfig().config_hash()
+
+
+def test_map_reduce_progress_counts_the_whole_document():
+    r = runner(long_docs="map_reduce")
+    _, prepared = r.start(doc())
+    seen = []
+    r.run(doc(), on_prefill=lambda n, total: seen.append((n, total)))
+    total = sum(len(p.context_ids) for p in prepared.parts)
+    assert {t for _, t in seen} == {total} and seen[-1][0] == total
+    assert [n for n, _ in seen] == sorted(n for n, _ in seen) and len(seen) > len(prepared.parts)
+
+
+def test_bench_long_compares_every_way_with_gold_nll(monkeypatch):
+    import math
+
+    from bench import long as bench_long
+    from tests.tiny import TINY_NAME, use_tiny_model
+
+    with use_tiny_model(monkeypatch):
+        out = bench_long.run(TINY_NAME, [4000], per_length=1, presses=("keydiff",), max_new_tokens=4, window=1800,
+                             log=lambda _: None)
+    ways = {r["way"]: r for r in out["table"]}
+    assert set(ways) == {"middle cut", "map-reduce", "stream keydiff"}
+    assert len({r["questions"] for r in ways.values()}) == 1 and ways["middle cut"]["questions"] > 0, ways
+    assert all(math.isfinite(ways[w]["gold_nll"]) and ways[w]["gold_nll"] > 0 for w in ("middle cut", "stream keydiff"))
+    assert ways["stream keydiff"]["peak_kv_mib"] < ways["middle cut"]["peak_kv_mib"]

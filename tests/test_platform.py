@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nestedkv import _platform as P
-from nestedkv import bench
+from bench import kernels as bench
 
 SPR = P.CpuInfo("GenuineIntel", 6, P.AVX512 | P.AVX2 | {"avx512_bf16", "amx_tile", "sse4_2"})
 SKYLAKE_CLIENT = P.CpuInfo("GenuineIntel", 6, P.AVX2 | {"avx", "sse4_2"})

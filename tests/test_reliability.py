@@ -410,11 +410,18 @@ def parses_as(fmt: str):
     return check
 
 
-LONG_TEXT = "A long document read whole past the tiny model's 4,096-token window. " * 90  # 6,300 bytes
+LONG_TEXT = "A long document read whole past the tiny model's 4,096-token window. " * 90  # 6,210 bytes
 
 
 def read_modes(ctx) -> dict:
     return {r["doc_id"]: r["read_mode"] for r in rows(ctx.db, "SELECT doc_id, read_mode FROM outputs")}
+
+
+def over_limit(ctx, *words: str) -> None:
+    """The document over --max-doc-tokens is one too_long row naming it and the limit."""
+    got = rows(ctx.db, "SELECT status, error FROM outputs WHERE doc_id = 'doc-long'")
+    assert [r["status"] for r in got] == ["too_long"], got
+    assert all(w in got[0]["error"] for w in ("'doc-long'", *words)), got
 
 
 def prints_what_it_made(ctx, res) -> None:
@@ -631,7 +638,7 @@ CASES = [
     error("model-dir-without-weights", run_with("--model", "{tmp}/m"), "m",
           setup=write_file("m/config.json", b'{"model_type": "llama"}', as_input=False)),
     error("bench-memory-lengths-0", ["bench", "memory", "--lengths", "0"], "--lengths", "1..2147483647"),
-    error("bench-model-unknown", ["bench", "--model", "no such model!"], "unknown model"),
+    error("bench-model-unknown", ["bench", "kernels", "--model", "no such model!"], "unknown model"),
 
     # ---- the store
     error("db-parent-is-a-file", run_with("--db", "{file}/runs.duckdb"), "cannot create the folder",
@@ -765,6 +772,12 @@ CASES = [
     ok("document-past-the-window-streamed", run_with("--long-docs", "stream"), "3 done",
        setup=batch({"doc_id": "doc-long", "text": LONG_TEXT}), done=GOOD + ("doc-long",),
        check=lambda ctx, res: read_modes(ctx)["doc-long"] == "stream"),
+    not_done("document-over-max-doc-tokens", run_with("--max-doc-tokens", "1000"), "1 of 3 results did not end ok",
+             setup=batch({"doc_id": "doc-long", "text": LONG_TEXT}),
+             check=lambda ctx, res: over_limit(ctx, "tokens, over --max-doc-tokens 1,000")),
+    not_done("document-over-max-doc-tokens-unread", run_with("--max-doc-tokens", "500"), "did not end ok",
+             setup=batch({"doc_id": "doc-long", "text": LONG_TEXT}),
+             check=lambda ctx, res: over_limit(ctx, f"{len(LONG_TEXT):,} characters", "over the limit of 4,000")),
     ok("split-marker-in-a-document", RUN, "3 done", setup=batch({"doc_id": "doc-q", "text": SPLIT_TEXT}),
        done=GOOD + ("doc-q",), check=lambda ctx, res: _context_holds_all_of("doc-q", SPLIT_TEXT, ctx)),
     not_done("too-long-with-truncate", run_with("--long-docs", "truncate", "--max-new-tokens", "5000"),
@@ -997,7 +1010,7 @@ def test_matrix_covers_the_issue():
 
 
 # -- signals and crashes: the real command in a subprocess ---------------------------------------------
-SIGNAL_ROWS = 9  # the cases below (signals, crash, --verbose, --wait expiring, nkv query: Ctrl-C, streaming, read during a batch)
+SIGNAL_ROWS = 10  # the cases below (signals, Ctrl-C in a long document, crash, --verbose, --wait expiring, nkv query: Ctrl-C, streaming, read during a batch)
 
 
 @pytest.fixture(scope="module")
@@ -1022,10 +1035,10 @@ class Batch:
     """``nkv run`` over four documents in a subprocess, stopped while the second document starts."""
 
     def __init__(self, tmp: Path, model_dir: str, prefect_env: dict, own_server: bool, sigint_ignored: bool = False,
-                 **env):
+                 documents: Optional[list[dict]] = None, **env):
         self.tmp, self.model_dir = tmp, model_dir
         self.db = tmp / "runs.duckdb"
-        self.input = write_batch(tmp / "four.parquet", docs(4))
+        self.input = write_batch(tmp / "four.parquet", documents or docs(4))
         self.marks = tmp / "marks"
         self.args = ["run", "--input", self.input, "--model", model_dir, "--db", str(self.db),
                      "--max-new-tokens", "2", "--retries", "0"]
@@ -1144,6 +1157,23 @@ def test_signal_during_a_run_exits_cleanly(sig, code, batches):
     else:
         assert b.statuses() == ["failed", "completed"]
         assert done == [{"doc_id": f"doc-{i}", "n": 1, "ok": True} for i in range(4)]
+
+
+@pytest.mark.slow  # a real command in a subprocess, with a Prefect server
+def test_ctrl_c_in_a_long_document_keeps_the_finished_ones(tmp_path, model_dir, prefect_env):
+    """Ctrl-C while a document far past the window is being read (in parts, the default): exit 130, no
+    traceback, the run closed, the documents before it stored, nothing of the interrupted one."""
+    long = {"doc_id": "doc-long", "text": LONG_TEXT * 40, "questions": ["Who?"]}  # ~250k byte tokens, ~60 parts
+    b = Batch(tmp_path, model_dir, prefect_env, False, documents=docs(2) + [long], NKV_TEST_PAUSE_AT="")
+    b.wait_for("doc-long")
+    time.sleep(3)  # well into its parts
+    assert b.proc.poll() is None, "the long document was read before the interrupt"
+    b.proc.send_signal(signal.SIGINT)
+    rc, err = b.finish()
+    assert rc == 130 and "Traceback" not in err, err[-3000:]
+    assert b.statuses() == ["failed"]
+    done = rows(b.db, "SELECT doc_id, bool_and(status = 'ok') AS ok FROM outputs GROUP BY doc_id ORDER BY doc_id")
+    assert done == [{"doc_id": "doc-0", "ok": True}, {"doc_id": "doc-1", "ok": True}]
 
 
 @pytest.mark.slow  # real commands in subprocesses, with a Prefect server

@@ -186,7 +186,7 @@ def test_every_rope_kind_is_undone_by_position_too():
 
 
 def test_rotation_effect_tells_position_from_content():
-    from pipeline.bench_rope import rotation_effect, spearman, summarize
+    from bench.rope import rotation_effect, spearman, summarize
 
     assert spearman(np.array([[1.0, 2.0, 3.0]]), np.array([[10.0, 20.0, 30.0]]))[0] == pytest.approx(1.0)
     assert spearman(np.array([[1.0, 2.0, 3.0]]), np.array([[3.0, 2.0, 1.0]]))[0] == pytest.approx(-1.0)

@@ -51,8 +51,6 @@ def make_tiny_model(
     """A small mlx-lm model of a real architecture with random weights, deterministic for a seed."""
     import importlib
 
-    from mlx.utils import tree_flatten, tree_unflatten
-
     if kind not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"kind must be llama, qwen2 or qwen3, got {kind!r}")
     arch = importlib.import_module(f"mlx_lm.models.{kind}")
@@ -62,7 +60,13 @@ def make_tiny_model(
         "head_dim": hidden // n_heads, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
         "max_position_embeddings": 4096, "tie_word_embeddings": True,
     })
-    model = arch.Model(args)
+    return randomize(arch.Model(args), seed, dtype)
+
+
+def randomize(model: nn.Module, seed: int = 0, dtype: Any = mx.float32) -> nn.Module:
+    """Seeded random weights (norms at one) for a freshly built mlx-lm model."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
     params = tree_flatten(model.parameters())
     # Explicit keys: the weights depend on `seed` alone, whatever the global RNG state is.
     keys = mx.random.split(mx.random.key(seed), len(params))
@@ -244,3 +248,33 @@ def feed(model, cache, toks, chunk: int = 512, each=None):
         if each is not None:
             each(i + min(chunk, toks.shape[0] - i))
     return logits
+
+
+# One config for every architecture of the matrix (tests/test_architectures.py): each model type reads the
+# keys it knows. Sliding windows of 32 rows, so a 200-token document wraps them; one layer of two each kind.
+ARCH_CONFIG = dict(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, rms_norm_eps=1e-5, layer_norm_eps=1e-5, norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
+    max_position_embeddings=4096, tie_word_embeddings=True, sliding_window=32, sliding_window_pattern=2,
+    query_pre_attn_scalar=16, num_local_experts=4, num_experts=4, num_experts_per_tok=2, experts_per_token=2,
+    moe_intermediate_size=32, hidden_act="silu", n_shared_experts=1, shared_expert_intermediate_size=32,
+    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, full_attention_interval=2, partial_rotary_factor=1.0, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, attention_bias=False, use_qk_norm=True, block_dim=64,
+    block_ff_dim=128, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+    conv_L_cache=3, conv_bias=False, full_attn_idxs=[1], num_heads=4, num_layers=2, logit_scale=1.0,
+    use_sliding_window=True, max_window_layers=1,
+)
+
+
+# Types whose defaults would give two layers of one kind: one sliding and one full layer instead.
+ARCH_EXTRA = {"olmo3": {"layer_types": ["sliding_attention", "full_attention"]}, "gear": {"layer_types": None}}
+
+
+def make_arch_model(kind: str, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny random model of any mlx-lm model type that builds from ``ARCH_CONFIG`` (and ``overrides``)."""
+    import importlib
+
+    arch = importlib.import_module(f"mlx_lm.models.{kind}")
+    cfg = {**ARCH_CONFIG, **ARCH_EXTRA.get(kind, {}), **overrides, "model_type": kind}
+    return randomize(arch.Model(arch.ModelArgs.from_dict(cfg)), seed)

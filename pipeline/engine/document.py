@@ -78,14 +78,15 @@ class Work:
 
     def answer(self, cfg: RunConfig, cache, res: DocumentResult, full) -> None:
         """Compress ``cache`` and answer from it now, or leave it in ``together`` for ``finish``."""
+        import nestedkv
         from pipeline.evaluate import METRIC_HOOKS, Reference
 
         runner = self.runner
         if full is not None:
             for name in self.options.metrics:
                 self.extra[cfg] = _merge(self.extra.get(cfg), METRIC_HOOKS[name](runner, self.prepared, full,
-                                                                                 cache[0].press))
-        runner.compress(cache, res)
+                                                                                 nestedkv.press_of(cache)))
+        runner.compress(cache, res, self.prepared.context_ids)
         if self.batch and not cfg.is_reference:
             self.together[cfg] = cache
             return
