@@ -208,6 +208,11 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that understands NestedKV's ragged layouts."""
+    observe = getattr(cache, "observe", None)
+    if observe is not None:  # a probe pass (nestedkv.probe) reads the queries, and may attend itself
+        out = observe(queries, keys, values, scale)
+        if out is not None:
+            return out
     quantized = hasattr(cache, "bits")
     if quantized and getattr(cache, "hadamard", False):
         queries = buf.hadamard(queries)  # the stored keys are rotated: rotated queries give the same scores

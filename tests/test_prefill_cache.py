@@ -171,3 +171,20 @@ def test_an_entry_loads_in_a_fresh_process(tmp_path, tiny_model, tokens):
     assert out.stdout.strip() == "NestedKVCache", out.stderr
     assert list((tmp_path / "pc").glob("nkv-prefill-*.safetensors"))  # kept, not discarded as damaged
 
+
+
+@pytest.mark.slow  # about 15 s on a loaded 2-core machine: three engine runs
+def test_model_scoring_presses_compress_a_loaded_prefill_as_a_computed_one(setup):
+    tmp, base, batch, prefills = setup
+    cached = EngineOptions(prefill_cache=str(tmp / "pc"))
+    engine.run(batch, make_configs(base, ["keydiff"], [0.5]), tmp / "a.duckdb", cached)  # fills the cache
+    prefills.clear()
+    configs = make_configs(base, ["kvzip", "expected_attention"], [0.75])
+    summary = engine.run(batch, configs, tmp / "a.duckdb", cached)
+    assert prefills == [] and summary.n_ok == 4  # the loaded prefill was compressed with the model
+    engine.run(batch, configs, tmp / "b.duckdb")
+    got = [r for r in outputs(tmp / "a.duckdb") if r["press"] != "keydiff"]
+    assert got == outputs(tmp / "b.duckdb")
+    with Store(tmp / "b.duckdb", read_only=True) as s:
+        rows = s.query("SELECT r.press, o.compress_s FROM outputs o JOIN runs r USING (run_id)").to_pylist()
+    assert {r["press"] for r in rows} == {"kvzip", "expected_attention"} and all(r["compress_s"] > 0 for r in rows)

@@ -1,0 +1,185 @@
+"""Presses that score keys with the model (KVzip's reconstruction, Expected Attention): kept rows, real
+savings, both head budgets, quantized KV, a cloned (prefill-cache) context, their refusals, and that their
+scores are not a key-only press's."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import nestedkv
+from nestedkv import compress, layer_stats, make_cache
+from nestedkv.press import get_press
+from nestedkv.presses.kvzip import KVzipPress
+
+MODEL_PRESSES = ["kvzip", "expected_attention"]
+N = 200
+
+
+def _prefilled(model, toks, press=None):
+    cache = make_cache(model, press)
+    for i in range(0, len(toks), 64):
+        model(toks[None, i : i + 64], cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("name", MODEL_PRESSES)
+@pytest.mark.parametrize("head_budget", ["uniform", "adaptive"])
+def test_keeps_the_budget_with_real_savings(tiny_model, tokens, name, head_budget):
+    model, toks = tiny_model("llama"), tokens(N)
+    press = get_press(name, compression_ratio=0.75, head_budget=head_budget)
+    cache = _prefilled(model, toks, press)
+    compress(cache, model=model, tokens=toks.tolist(), prompt=[1, 2, 3])
+    keep = press.n_keep(N)
+    for c, m in zip(cache, layer_stats(cache)):
+        counts = np.array(c.kept)
+        assert int(counts.sum()) == counts.shape[1] * keep
+        assert m.bytes_resident < m.bytes_full / 2  # rows really dropped, adaptive stored unpadded
+        if head_budget == "uniform":
+            assert (counts == keep).all()
+    out = model(tokens(3, seed=1)[None], cache=cache)  # answers from the compressed cache
+    assert np.isfinite(np.array(out)).all()
+
+
+@pytest.mark.parametrize("name", MODEL_PRESSES)
+def test_quantized_kv_and_a_cloned_context(tiny_model, tokens, name):
+    from tests.tiny import make_tiny_model
+
+    model, toks = make_tiny_model("llama", hidden=128, n_heads=4, n_kv_heads=2), tokens(N)  # head_dim 32
+    full = _prefilled(model, toks)  # what the prefill cache holds: uncompressed, no press
+    press = get_press(name, compression_ratio=0.5)
+    plain = nestedkv.clone(full, press, model=model)
+    quant = nestedkv.clone(full, get_press(name, compression_ratio=0.5, kv_bits=8, kv_group_size=32), model=model)
+    for c in (plain, quant):
+        compress(c, model=model, tokens=toks.tolist())
+    assert all(c.quantized for c in quant) and not any(c.quantized for c in plain)
+    for a, b in zip(plain, quant):  # scored on the real keys before quantizing: the same rows
+        assert np.array_equal(np.array(a.kept), np.array(b.kept))
+    assert sum(m.bytes_resident for m in layer_stats(quant)) < sum(m.bytes_resident for m in layer_stats(plain))
+
+
+@pytest.mark.parametrize("name", MODEL_PRESSES)
+def test_scores_are_not_a_key_only_press(tiny_model, tokens, name):
+    model, toks = tiny_model("llama"), tokens(N)
+    full = _prefilled(model, toks)
+    press = get_press(name, compression_ratio=0.75)
+    scores = press.model_scores(model, full, toks.tolist(), [5, 6])
+    for c, s in zip(full, scores):
+        assert s.shape == (1, c.keys.shape[1], N) and np.isfinite(np.array(s)).all()
+        for other in ("knorm", "keydiff"):
+            key_only = get_press(other, compression_ratio=0.75, unrotate=False)
+            ours = set(np.array(press.select_model_scores(s).indices)[0, 0].tolist())
+            theirs = set(np.array(key_only.select(c.keys[..., :N, :]).indices)[0, 0].tolist())
+            assert ours != theirs
+
+
+def test_kvzip_scores_are_the_most_attention_a_reconstruction_query_gives(tiny_model, tokens):
+    model, toks = tiny_model("llama", n_layers=1), tokens(64)
+    full = _prefilled(model, toks)
+    one = KVzipPress(compression_ratio=0.5, chunk=64).model_scores(model, full, toks.tolist(), [])
+    halves = KVzipPress(compression_ratio=0.5, chunk=32).model_scores(model, full, toks.tolist(), [])
+    s1, s2 = np.array(one[0]), np.array(halves[0])
+    assert ((s1 > 0) & (s1 <= 1)).all() and ((s2 > 0) & (s2 <= 1)).all()  # attention probabilities
+    assert not np.allclose(s1, s2)  # the chunking changes which rows the queries see
+
+
+@pytest.mark.parametrize("name", MODEL_PRESSES)
+def test_refusals_are_one_line(tiny_model, tokens, name):
+    model, toks = tiny_model("llama"), tokens(N)
+    with pytest.raises(ValueError, match="cannot evict while prefilling"):
+        get_press(name, prefill="streaming")
+    cache = _prefilled(model, toks, get_press(name, compression_ratio=0.5))
+    with pytest.raises(ValueError, match="scores keys with the model"):
+        compress(cache)
+    with pytest.raises(ValueError, match="tokens given for a cache"):
+        compress(cache, model=model, tokens=toks.tolist()[:-1])
+
+
+def test_compression_seconds_include_the_reconstruction(tiny_model, tokens):
+    from pipeline.results import DocumentResult
+    from pipeline.runner import Runner  # noqa: F401  (the pipeline's compression path)
+
+    model, toks = tiny_model("llama"), tokens(N)
+
+    class Fake:  # what Runner.compress reads: the model and the repeat instruction
+        pass
+
+    runner = Fake()
+    runner.model, runner.repeat_prompt = model, lambda: [1, 2]
+    seen = {}
+    real = KVzipPress.model_scores
+
+    def spy(self, *a):
+        seen["called"] = True
+        return real(self, *a)
+
+    res = DocumentResult("d", "x", 1, None)
+    cache = _prefilled(model, toks, get_press("kvzip", compression_ratio=0.5))
+    KVzipPress.model_scores = spy
+    try:
+        Runner.compress(runner, cache, res, toks.tolist())
+    finally:
+        KVzipPress.model_scores = real
+    assert seen.get("called") and res.compress_s > 0 and all(c.compressed for c in cache)
+
+
+def test_the_probe_attends_as_the_model_does():
+    from nestedkv.probe import probe_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 8, 16), (1, 2, 20, 16),
+                                                                            (1, 2, 20, 16)))
+    out, weights = probe_attention(q, k, v, 0.25, n=12)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")  # aligned to the keys' end
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    assert weights.shape == (1, 2, 2 * 8, 12) and float(mx.max(weights)) <= 1.0
+
+
+def test_feeding_the_last_rows_again_recomputes_them(tiny_model, tokens):
+    from nestedkv.probe import probe
+
+    model, toks = tiny_model("llama"), tokens(N)
+    full = _prefilled(model, toks)
+    seen = {}
+
+    def observe(layer, queries, keys, values, scale):
+        seen[layer] = keys
+
+    for _ in probe(model, full, [toks.tolist()[N - 40:]], observe, "test", rows=N - 40):
+        pass
+    for layer, c in enumerate(full):  # the fed rows' keys are the cached ones: the prefill's own queries too
+        np.testing.assert_allclose(np.array(seen[layer]), np.array(c.keys[..., :N, :]), atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [{"dims": 16, "traditional": False, "base": 10000.0, "scale": 1.0},
+                                  {"dims": 8, "traditional": True, "base": 500.0, "scale": 0.5}])
+def test_the_mean_rotation_is_the_rope_averaged_over_positions(spec):
+    from nestedkv.rope import from_description, mean_rotation
+
+    x = mx.array(np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32))
+    rope = from_description(spec, sign=1.0)
+    want = sum(rope(x[None, :, None, :], p) for p in range(40, 47))[0, :, 0, :] / 7
+    np.testing.assert_allclose(np.array(x @ mean_rotation(spec, 40, 7, 16)), np.array(want), atol=1e-5)
+    back = from_description(spec)(rope(x[None, :, None, :], 9), 9)  # sign=-1 undoes sign=1
+    np.testing.assert_allclose(np.array(back[0, :, 0, :]), np.array(x), atol=1e-5)
+
+
+def test_expected_attention_reads_queries_without_their_rope_turning():
+    # One query direction seen at many positions: rotated, it looks like a spread that the covariance would
+    # reward in keys with large high-frequency parts; rotated back, it has no spread at all.
+    from nestedkv.presses.expected_attention import expected_attention_scores
+    from nestedkv.rope import from_description, mean_rotation
+
+    spec = {"dims": 16, "traditional": False, "base": 10000.0, "scale": 1.0}
+    rope = from_description(spec, sign=1.0)
+    rng = np.random.default_rng(2)
+    q0 = mx.array(np.tile(rng.standard_normal((1, 1, 1, 16)).astype(np.float32), (1, 1, 32, 1)))
+    queries = rope(q0, 100)  # positions 100..131
+    keys = rope(mx.array(rng.standard_normal((1, 1, 50, 16)).astype(np.float32)), 0)
+    values = mx.ones((1, 1, 50, 16))
+    m = mean_rotation(spec, 132, 8, 16)
+    got = expected_attention_scores(from_description(spec)(queries, 100), keys, values, 0.25, True, m)
+    mean_only = expected_attention_scores(from_description(spec)(queries, 100), keys, values, 0.25, False, m)
+    np.testing.assert_allclose(np.array(got), np.array(mean_only), atol=1e-4)  # no spread: no covariance term
+    rotated = expected_attention_scores(queries, keys, values, 0.25, True)
+    assert not np.allclose(np.array(rotated), np.array(mean_only), atol=1e-2)
+
