@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from pipeline.bench import timed as _timed
+from bench.overhead import timed as _timed
 from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL
 
 

@@ -1,4 +1,4 @@
-"""Imports go one way: flows -> pipeline -> nestedkv -> (mlx, mlx_lm), and no module imports itself back
+"""Imports go one way: flows -> bench -> pipeline -> nestedkv -> (mlx, mlx_lm), and no module imports itself back
 through others (no import circle, inside a package too). Checked on the source (lazy imports inside functions
 count too) and on what importing a package really loads."""
 
@@ -11,10 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
-    "nestedkv": {"pipeline", "flows", "prefect", "duckdb", "pyarrow", "typer"},
-    "pipeline": {"flows", "prefect", "typer"},
+    "nestedkv": {"pipeline", "bench", "flows", "prefect", "duckdb", "pyarrow", "typer"},
+    "pipeline": {"bench", "flows", "prefect", "typer"},
+    "bench": {"flows", "prefect", "typer"},
 }
-PACKAGES = ("nestedkv", "pipeline", "flows")
+PACKAGES = ("nestedkv", "pipeline", "bench", "flows")
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -120,3 +121,17 @@ def test_every_product_package_is_shipped():
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     missing = {name for name in on_disk if not any(fnmatch.fnmatchcase(name, pat) for pat in find["include"])}
     assert {"pipeline.store", "nestedkv.presses", "flows.cli"} <= on_disk and not missing, missing
+
+
+def test_benchmarks_live_in_bench_and_each_is_an_nkv_bench_command():
+    from typer.main import get_command
+
+    from flows.cli import app
+
+    lab = [p.name for p in (ROOT / "pipeline").glob("*.py")
+           if p.name.startswith(("bench", "peer_", "ablation"))]
+    assert lab == []
+    group = get_command(app).commands["bench"]
+    helpers = {"__init__", "peer_export", "peer_worker", "ablation"}  # used by commands, not commands
+    modules = {p.stem for p in (ROOT / "bench").glob("*.py")} - helpers
+    assert modules and modules <= set(group.commands), modules - set(group.commands)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from pipeline import bench_peer
-from pipeline.bench_peer import Refusal, check_probe, compare_logits, format_report, summarize
+from bench import peer as bench_peer
+from bench.peer import Refusal, check_probe, compare_logits, format_report, summarize
 from pipeline.config import REFERENCE_PRESS as REFERENCE
-from pipeline.peer_export import MARKER, export_fp32, hf_config
+from bench.peer_export import MARKER, export_fp32, hf_config
 from tiny import save_tiny_model_dir, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

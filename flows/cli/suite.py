@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from bench import ablation as ablation_mod
 from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, spec_option,
                               split_list, user_errors)
 from flows.cli.spec import batch_progress, compared_by_default, press_grid
@@ -122,8 +123,6 @@ def ablation(
     out: Optional[str] = typer.Option(None, "--out", help="also write the table as markdown here"),
 ):
     """Per-scale ablation of NestedKV: which part of the score helps or hurts, on the same documents."""
-    from pipeline import ablation as ablation_mod
-
     ratios = split_list(compression_ratio, float, "--compression-ratio")
     names = split_list(variants, str, "--variants") or None
     try:

@@ -4,9 +4,9 @@
         [--peer-python .venv-peer/bin/python] [--peer-threads 1] [--out FILE]
 
 kvpress runs in its own environment (README, "Side by side with kvpress"), as a subprocess started on
-``pipeline/peer_worker.py`` that exchanges JSON files, so this process never imports torch. Steps:
+``bench/peer_worker.py`` that exchanges JSON files, so this process never imports torch. Steps:
 
-1. export our fp32 weights as a transformers directory (``pipeline.peer_export``; reused when present);
+1. export our fp32 weights as a transformers directory (``bench.peer_export``; reused when present);
 2. probe: both engines' logits on the first ``--probe-tokens`` context tokens of the first document; the
    benchmark refuses (exit 3, one line) when they differ by more than ``--tolerance`` or in any argmax;
 3. kvpress: each document prefilled per configuration under its press, every question answered;
@@ -298,7 +298,7 @@ def setup_hint(python: str) -> str:
 def measure(a) -> dict:
     from pipeline.documents import load_documents
     from pipeline.engine import make_runner
-    from pipeline.peer_export import export_fp32
+    from bench.peer_export import export_fp32
     from pipeline.prompts import question_text
 
     if not Path(a.peer_python).is_file():

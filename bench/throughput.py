@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from pipeline.bench import timed as _timed
+from bench.overhead import timed as _timed
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
 from pipeline.store import Store

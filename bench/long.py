@@ -4,8 +4,9 @@ Needles are planted in the middle 30-70% of stretches of the novels (the suite's
 length; a document that fits the window is answered uncompressed (the ceiling); a longer one is cut in the middle
 (no_press, ``truncate``), in parts (``map_reduce``, each part compressed by NestedKV at its defaults), and
 read whole while evicting (``stream``) with each press at its default settings.
-Per way and length: recall (RULER's string match), wall time per document, prefill tokens/s and the peak KV
-bytes while prefilling. ``rates``: a streaming prefill of the novels' text at each length with a fixed budget,
+Per way and length: recall (RULER's string match), the gold answer's NLL per token under the cache it is
+answered from (map-reduce: its best part), wall time per document, prefill tokens/s and the peak KV bytes while
+prefilling. ``rates``: a streaming prefill of the novels' text at each length with a fixed budget,
 read past the window as ``--long-docs stream`` reads it (prefill tokens/s and peak KV bytes by length).
 """
 
@@ -49,26 +50,53 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
         doc = Document(doc_id=d["doc_id"], text=d["text"], questions=d["questions"], answers=d["answers"])
         for label, fields in ways(presses, fits=window is None or d["n_tokens"] + 64 + max_new_tokens <= window):
             cfg = RunConfig(task="qa", model=model_ref, max_new_tokens=max_new_tokens, **fields)
+            runner = Runner(model, tokenizer, cfg, max_context=window)
+            nll = gold_nlls(runner, d["answers"])
             t0 = time.perf_counter()
-            res = Runner(model, tokenizer, cfg, max_context=window).run(doc)
+            res = runner.run(doc)
             wall = time.perf_counter() - t0
             scores = [recall(q.output, parts) for q, parts in zip(res.questions, d["parts"]) if q.status == "ok"]
-            rows.append({"length": d["length"], "n_tokens": d["n_tokens"], "doc_id": d["doc_id"], "way": label,
-                         "read_mode": res.read_mode, "status": res.status, "recall": scores, "wall_s": wall,
-                         "prefill_tok_s": res.n_tokens / res.prefill_s if res.prefill_s else None,
-                         "peak_kv_prefill_bytes": res.peak_kv_prefill_bytes})
+            rows.append({**summary_row(d, label, res, wall), "recall": scores,
+                         "gold_nll": [min(v) for v in nll.values()]})
             log(f"{d['doc_id']} ({d['n_tokens']} tokens) {label}: {res.status}, recall "
                 f"{sum(scores) / len(scores) if scores else float('nan'):.2f}, {wall:.0f} s")
     table = summarize(rows)
     for r in table:
-        log(f"{r['length']:>7} {r['way']:<22} recall {r['recall']:.3f} ({r['questions']} questions)  "
-            f"{r['wall_s']:.0f} s/doc  prefill {r['prefill_tok_s'] or 0:.0f} tok/s  peak KV {r['peak_kv_mib']:.1f} MiB")
+        log(f"{r['length']:>7} {r['way']:<22} recall {r['recall']:.3f} ({r['questions']} questions)  gold NLL "
+            f"{r['gold_nll']:.3f}  {r['wall_s']:.0f} s/doc  prefill {r['prefill_tok_s'] or 0:.0f} tok/s  "
+            f"peak KV {r['peak_kv_mib']:.1f} MiB")
     return {"model": model_ref, "window": window, "rows": rows, "table": table}
 
 
+def summary_row(d: dict, label: str, res, wall: float) -> dict:
+    return {"length": d["length"], "n_tokens": d["n_tokens"], "doc_id": d["doc_id"], "way": label,
+            "read_mode": res.read_mode, "status": res.status, "wall_s": wall,
+            "prefill_tok_s": res.n_tokens / res.prefill_s if res.prefill_s else None,
+            "peak_kv_prefill_bytes": res.peak_kv_prefill_bytes}
+
+
+def gold_nlls(runner, golds: Sequence[str]) -> dict[int, list[float]]:
+    """Question -> the gold answer's NLL per token under each cache ``runner`` answers it from (filled as it
+    runs: one cache, or one per part)."""
+    from pipeline.evaluate import gold_nll
+    from pipeline.prompts import encode
+
+    seen: dict[int, list[float]] = {}
+    answer_all = runner.answer_all
+
+    def scoring(cache, prepared, res):
+        for k, (_, q_ids, _) in enumerate(prepared.questions):
+            if k < len(golds) and golds[k] and res.questions[k].status == "ok":
+                seen.setdefault(k, []).append(gold_nll(runner.model, cache, q_ids, encode(runner.tokenizer, golds[k])))
+        return answer_all(cache, prepared, res)
+
+    runner.answer_all = scoring
+    return seen
+
+
 def summarize(rows: Sequence[dict]) -> list[dict]:
-    """One row per (length, way): mean recall over the questions answered, mean wall time, prefill rate and
-    the largest peak KV."""
+    """One row per (length, way): mean recall over the questions answered, mean gold NLL, mean wall time,
+    prefill rate and the largest peak KV."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["length"], r["way"]), []).append(r)
@@ -76,8 +104,10 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     for (length, way), rs in groups.items():
         scores = [s for r in rs for s in r["recall"]]
         rates = [r["prefill_tok_s"] for r in rs if r["prefill_tok_s"]]
+        nll = [v for r in rs for v in r.get("gold_nll", ())]
         table.append({"length": length, "way": way, "questions": len(scores),
                       "recall": sum(scores) / len(scores) if scores else float("nan"),
+                      "gold_nll": sum(nll) / len(nll) if nll else float("nan"),
                       "wall_s": sum(r["wall_s"] for r in rs) / len(rs),
                       "prefill_tok_s": sum(rates) / len(rates) if rates else None,
                       "peak_kv_mib": max(r["peak_kv_prefill_bytes"] for r in rs) / 2**20})

@@ -1,8 +1,8 @@
-"""The kvpress side of ``pipeline.bench_peer``; runs in the peer environment (torch, transformers, kvpress).
+"""The kvpress side of ``bench.peer``; runs in the peer environment (torch, transformers, kvpress).
 
-    <peer python> pipeline/peer_worker.py REQUEST.json RESPONSE.json
+    <peer python> bench/peer_worker.py REQUEST.json RESPONSE.json
 
-Started by file path, not as ``pipeline.peer_worker``: importing the package would load mlx, which the peer
+Started by file path, not as ``bench.peer_worker``: importing the package would load mlx, which the peer
 environment does not have. Standard library, numpy, torch, transformers and kvpress only.
 
 Requests (JSON): ``{"op": "probe", ...}`` writes the logits of ``probe_ids`` to ``probe_out`` (.npy);
