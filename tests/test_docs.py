@@ -116,3 +116,21 @@ def test_a_wrong_option_is_caught():
         assert is_usage_error(caught.value), repr(caught.value)
     with pytest.raises(AssertionError, match="no command"):
         parse(["no-such-command"])
+
+
+def test_readme_press_table_names_every_registered_press_in_order():
+    from nestedkv.press import PRESSES
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| press | paper | what it keeps |"):].split("\n\n")[0].splitlines()[2:]
+    assert [row.split("`")[1] for row in table] == list(PRESSES)
+
+
+def test_every_registered_press_is_exported_by_name():
+    import nestedkv
+    import nestedkv.press as press_module
+    from nestedkv.press import PRESSES
+
+    for cls in PRESSES.values():
+        assert getattr(nestedkv, cls.__name__) is cls is getattr(press_module, cls.__name__)
+        assert cls.__name__ in press_module.__all__

@@ -280,3 +280,28 @@ def test_cli_tasks_writes_what_generate_makes(monkeypatch, tmp_path):
         res = CliRunner().invoke(app, [*args, "--tasks", "bogus"])
     assert res.exit_code == 2 and "bogus" in res.output
     assert CliRunner().invoke(app, ["tasks", "--out", str(out), "--size", "huge"]).exit_code == 2
+
+
+def test_suite_pairs_and_labels_rotated_and_plain_keys_apart():
+    # --kv-hadamard true,false: two 4-bit configurations of each press, never one pooled row per question
+    rows = [{"press": p, "compression_ratio": 0.75, "head_budget": "adaptive", "prefill": "whole", "kv_bits": 4,
+             "kv_group_size": 64, "kv_hadamard": h, "task": "niah_single", "length": 4096, "doc_id": "d",
+             "question_idx": q, "config_hash": f"{p}{h}", "value": v}
+            for p, h, vals in (("nestedkv", True, (1, 1)), ("keydiff", True, (0, 0)),
+                               ("nestedkv", False, (0, 1)), ("keydiff", False, (1, 1)))
+            for q, v in enumerate(vals)]
+    calib = [{"task": "niah_single", "length": 4096, "n": 2, "accuracy": 1.0, "headline": True}]
+    heads, _ = suite.headline(rows, calib, ratios=(0.75,))
+    got = {h["quant"].hadamard: (h["acc_a"], h["acc_b"], h["better"], h["worse"]) for h in heads}
+    assert got == {True: (1.0, 0.0, 2, 0), False: (0.5, 1.0, 0, 1)}
+    assert [suite.label(r) for r in rows[::2]] == ["nestedkv adaptive 4-bit", "keydiff adaptive 4-bit",
+                                                   "nestedkv adaptive 4-bit plain", "keydiff adaptive 4-bit plain"]
+    table = "\n".join(suite.headline_table(heads, "nestedkv", "keydiff", 2))
+    assert "| whole 4-bit |" in table and "| whole 4-bit plain |" in table
+
+
+def test_suite_colours_follow_the_registry():
+    from nestedkv.press import PRESSES
+
+    colours = [suite.colour(p) for p in PRESSES if p != "no_press"]
+    assert len(set(colours)) == len(colours) and suite.colour("not a press") == "C9"
