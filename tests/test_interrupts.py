@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -53,6 +54,13 @@ def in_duckdb_reader(thread: threading.Thread) -> bool:
     return thread.is_alive() and at_reader()
 
 
+def where(thread: threading.Thread) -> str:
+    """The innermost frames of ``thread``, for a failure's message."""
+    f = sys._current_frames().get(thread.ident)
+    return "" if f is None else " < ".join(f"{fr.f_code.co_name} ({os.path.basename(fr.f_code.co_filename)}:{line})"
+                                          for fr, line in list(traceback.walk_stack(f))[:6])
+
+
 def ctrl_c_after(delay: float, fired: list) -> None:
     time.sleep(delay)
     fired.append(time.monotonic())
@@ -86,7 +94,8 @@ def test_ctrl_c_at_any_offset_stops_the_query(tmp_path, monkeypatch):
                 stuck.update(inside_duckdb)
                 left = [t for t in left if t not in stuck]
                 if res.exit_code != 130 or left or not plan["fired"]:
-                    failures.append((name, offset, res.exit_code, len(left), res.stderr[-300:], repr(res.exception)))
+                    failures.append((name, offset, res.exit_code, res.stderr[-300:], repr(res.exception),
+                                     [where(t) for t in left]))
                     continue
                 if inside_duckdb:  # the store says so as it closes without waiting on the statement
                     assert "error: query interrupted" in res.stderr.lower(), res.stderr
