@@ -24,7 +24,7 @@ ZEN5_FAMILY = 0x1A  # Debian's OpenBLAS 0.3.21 knows AMD families up to 0x19 (Ze
 
 _done = False
 _state: dict = {"library": None, "coretype_set": None, "thread_timeout_set": None, "malloc": None,
-                "fast_path": False}
+                "fast_path": False, "missing_openblas": False}
 
 # glibc malloc settings for mlx's CPU backend, which has no buffer cache: with glibc's default, buffers of a
 # few MiB and more are mapped afresh (the threshold moves with the history of frees) and cost a page fault
@@ -128,6 +128,16 @@ def enable_cpu_fast_path() -> dict:
     return blas_info()
 
 
+MISSING_OPENBLAS = ("System OpenBLAS not found: mlx on CPU will use its slow reference BLAS. "
+                    "Fix: apt-get install libopenblas0-pthread")
+
+
+def missing_openblas() -> bool:
+    """Whether ``enable_cpu_fast_path`` looked for the system OpenBLAS and found none (what a CPU run then
+    loses is worth saying where a model runs, not on every command)."""
+    return _state["missing_openblas"]
+
+
 def fast_path_enabled() -> bool:
     return _state["fast_path"]
 
@@ -158,12 +168,8 @@ def load_openblas() -> bool:
         return False
     path = ctypes.util.find_library("openblas")
     if path is None:
-        warnings.warn(
-            "System OpenBLAS not found: mlx on CPU will use its slow reference BLAS. "
-            "Fix: apt-get install libopenblas0-pthread",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _state["missing_openblas"] = True
+        warnings.warn(MISSING_OPENBLAS, RuntimeWarning, stacklevel=3)
         return False
     coretype = None
     if platform.machine() in ("x86_64", "AMD64"):

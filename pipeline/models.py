@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -260,6 +261,8 @@ def _convert(src: Path, out: Path) -> None:
 
 _loaded: dict[tuple[str, str, str], tuple[nn.Module, Any]] = {}
 _lock = threading.Lock()
+_state = {"warned_blas": False}
+log = logging.getLogger(__name__)
 
 
 def _on_cpu() -> bool:
@@ -310,6 +313,17 @@ def _load_dir(location: str, ref: str):
         raise ModelLoadError(f"could not load model {ref!r} from {location}: {type(e).__name__}: {e}") from e
 
 
+def _warn_slow_blas() -> None:
+    """Once per process, where a model runs on the CPU without the system OpenBLAS: one log line."""
+    import mlx.core as mx
+
+    from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
+
+    if missing_openblas() and mx.default_device() == mx.cpu and not _state["warned_blas"]:
+        _state["warned_blas"] = True
+        log.warning("%s (CPU matmuls run about 40x slower)", MISSING_OPENBLAS)
+
+
 def load_model(ref: str | None = None, *, dtype: str | None = None):
     """Load ``(model, tokenizer)`` for a reference; each (reference, dtype) is loaded once per process.
 
@@ -322,6 +336,7 @@ def load_model(ref: str | None = None, *, dtype: str | None = None):
         if key not in _loaded:
             path = model_dir(ref)
             model, tokenizer = _load_dir(path, ref or DEFAULT_MODEL)
+            _warn_slow_blas()
             _loaded[key] = (_apply_dtype(model, dequantize, dt), tokenizer)
         return _loaded[key]
 

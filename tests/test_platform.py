@@ -2,6 +2,7 @@
 
 import ctypes.util
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -225,6 +226,42 @@ def test_the_opt_in_after_mlx_says_it_is_too_late_for_the_blas():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     library, warned = json.loads(out.stdout.strip().splitlines()[-1])
     assert library == "mlx's bundled reference BLAS" and "before importing mlx" in warned[0]
+
+
+# Runs nkv as its entry point does, on a machine without the system OpenBLAS (find_library finds none).
+WITHOUT_OPENBLAS = ("import ctypes.util, sys; ctypes.util.find_library = lambda name: None\n"
+                    "from flows.cli import main; sys.argv = ['nkv', *sys.argv[1:]]; main()")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the system OpenBLAS is looked for on Linux only")
+def test_without_openblas_a_refused_command_still_says_one_line(tmp_path):
+    """The README's install leaves OpenBLAS optional: a machine without it gets no extra lines on commands that
+    run no model (the CLI's one-line errors stay one line)."""
+    env = {k: v for k, v in os.environ.items() if k != "NKV_NO_OPENBLAS"}
+    out = subprocess.run([sys.executable, "-c", WITHOUT_OPENBLAS, "run", "--kv-bits", "3", "--db",
+                          str(tmp_path / "x.duckdb")], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert [x for x in out.stderr.splitlines() if x.strip()] == [
+        "error: invalid options: --kv-bits must be 4 or 8 (16 or none: no quantization), got '3'"], out.stderr
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the system OpenBLAS is looked for on Linux only")
+def test_without_openblas_loading_a_model_on_the_cpu_says_so_once(monkeypatch, caplog):
+    import pipeline.models as models
+    from nestedkv import _platform
+
+    monkeypatch.setitem(_platform._state, "missing_openblas", True)
+    monkeypatch.setitem(models._state, "warned_blas", False)
+    with caplog.at_level(logging.WARNING, logger="pipeline.models"):
+        models._warn_slow_blas()
+        models._warn_slow_blas()
+    said = [r.getMessage() for r in caplog.records if r.name == "pipeline.models"]
+    assert len(said) == 1 and "apt-get install libopenblas0-pthread" in said[0], said
+    monkeypatch.setitem(_platform._state, "missing_openblas", False)
+    monkeypatch.setitem(models._state, "warned_blas", False)
+    caplog.clear()
+    models._warn_slow_blas()
+    assert not [r for r in caplog.records if r.name == "pipeline.models"]
 
 
 # -- bench -------------------------------------------------------------------------------------
