@@ -192,8 +192,8 @@ def test_suite_pairs_and_labels_each_kv_width_apart():
     got = {h["kv_bits"]: (h["acc_a"], h["acc_b"], h["better"], h["worse"]) for h in heads}
     assert got == {None: (1.0, 0.5, 1, 0), 4: (0.0, 0.5, 0, 1)}
     assert [suite.label(r) for r in rows[::4]] == ["nestedkv adaptive", "nestedkv adaptive 4-bit"]
-    table = "\n".join(suite.headline_table(heads, "nestedkv", "keydiff", 2))
-    assert "| 0.75 * | adaptive | whole |" in table and "| 0.75 | adaptive | whole 4-bit |" in table
+    table = "\n".join(suite.headline_table(heads, 2))
+    assert "| keydiff | 0.75 * | adaptive | whole |" in table and "| keydiff | 0.75 | adaptive | whole 4-bit |" in table
 
 
 @pytest.mark.slow  # the whole suite on a tiny model
@@ -296,8 +296,8 @@ def test_suite_pairs_and_labels_rotated_and_plain_keys_apart():
     assert got == {True: (1.0, 0.0, 2, 0), False: (0.5, 1.0, 0, 1)}
     assert [suite.label(r) for r in rows[::2]] == ["nestedkv adaptive 4-bit", "keydiff adaptive 4-bit",
                                                    "nestedkv adaptive 4-bit plain", "keydiff adaptive 4-bit plain"]
-    table = "\n".join(suite.headline_table(heads, "nestedkv", "keydiff", 2))
-    assert "| whole 4-bit |" in table and "| whole 4-bit plain |" in table
+    table = "\n".join(suite.headline_table(heads, 2))
+    assert "| whole 4-bit |" in table and "| whole 4-bit plain |" in table and "| keydiff |" in table
 
 
 def test_suite_colours_follow_the_registry():
@@ -305,3 +305,34 @@ def test_suite_colours_follow_the_registry():
 
     colours = [suite.colour(p) for p in PRESSES if p != "no_press"]
     assert len(set(colours)) == len(colours) and suite.colour("not a press") == "C9"
+
+
+def test_headline_pairs_nestedkv_with_every_other_press_in_its_own_modes():
+    # kvzip scores with the model, so it has no streaming rows: no streaming pairing against it
+    runs = (("nestedkv", "whole", (1, 1, 0)), ("nestedkv", "streaming", (1, 0, 0)), ("keydiff", "whole", (1, 0, 0)),
+            ("keydiff", "streaming", (0, 0, 0)), ("kvzip", "whole", (1, 1, 1)), ("expected_attention", "whole", (0, 1, 0)))
+    rows = [{"press": p, "compression_ratio": 0.75, "head_budget": "uniform", "prefill": pf, "kv_bits": None,
+             "task": "niah_single", "length": 4096, "doc_id": "d", "question_idx": q, "config_hash": p + pf, "value": v}
+            for p, pf, vals in runs for q, v in enumerate(vals)]
+    calib = [{"task": "niah_single", "length": 4096, "n": 3, "accuracy": 1.0, "headline": True}]
+    heads, _ = suite.headline(rows, calib, ratios=(0.75,))
+    got = {(h["rival"], h["prefill"]): (h["n"], h["better"], h["worse"], round(h["mean_diff"], 3)) for h in heads}
+    assert got == {("keydiff", "whole"): (3, 1, 0, 0.333), ("keydiff", "streaming"): (3, 1, 0, 0.333),
+                   ("kvzip", "whole"): (3, 0, 1, -0.333), ("expected_attention", "whole"): (3, 1, 0, 0.333)}
+    assert [h["rival"] for h in heads] == ["keydiff", "keydiff", "kvzip", "expected_attention"]  # the registry's order
+    table = suite.headline_table(heads, 2)
+    assert table[0].startswith("| against |") and sum("| kvzip |" in line for line in table) == 1
+
+
+def test_accuracy_tables_give_each_press_its_share_of_uncompressed_and_its_cost():
+    rows = [{"press": p, "compression_ratio": 0.75, "head_budget": "uniform", "prefill": "whole", "kv_bits": None,
+             "task": "niah_single", "length": 4096, "doc_id": "d", "question_idx": q, "config_hash": p, "value": v}
+            for p, vals in (("no_press", (1, 1)), ("kvzip", (1, 0))) for q, v in enumerate(vals)]
+    calib = [{"task": "niah_single", "length": 4096, "n": 2, "accuracy": 1.0, "headline": True}]
+    cost = {(4096, "no_press"): {"prefill_s": 10.0, "compress_s": 0.0, "reference": True},
+            (4096, "kvzip"): {"prefill_s": 10.0, "compress_s": 21.0, "reference": False}}
+    lines = suite.accuracy_tables(rows, calib, {}, cost=cost)
+    header = [c.strip() for c in lines[2].strip("|").split("|")]
+    kvzip = dict(zip(header, [c.strip() for c in next(x for x in lines if x.startswith("| kvzip")).strip("|").split("|")]))
+    assert kvzip["of uncompressed"] == "0.50" and kvzip["compress s/doc"] == "21.00"
+    assert kvzip["compress / prefill"] == "2.10"

@@ -77,6 +77,15 @@ GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
 """
 
+# Seconds per document (each question's row repeats them), latest ok run per (configuration, document).
+COSTS_SQL = f"""
+SELECT r.config_hash, o.doc_id, any_value(o.prefill_s) AS prefill_s, any_value(o.compress_s) AS compress_s
+FROM outputs o JOIN runs r ON r.run_id = o.run_id
+WHERE r.config_hash IN (SELECT unnest($hashes)) AND o.content_sha256 IN (SELECT unnest($docs))
+GROUP BY r.config_hash, o.run_id, o.doc_id, r.created_at HAVING bool_and(o.status = '{OK}')
+QUALIFY row_number() OVER (PARTITION BY r.config_hash, o.doc_id ORDER BY r.created_at DESC, o.run_id DESC) = 1
+"""
+
 # A document answered under configuration $h: per run, every one of its output rows ok.
 ANSWERED_SQL = f"""
 SELECT o.run_id, o.doc_id, o.content_sha256, any_value(r.created_at) AS created_at
@@ -230,6 +239,11 @@ class Queries(Reads):
         """Resident and full KV bytes per (configuration, document), latest run, for these configuration
         hashes and document content hashes."""
         return self.query(KV_BYTES_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
+
+    def costs_by_document(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
+        """Prefill and compression seconds per (configuration, document), latest ok run, for these
+        configuration hashes and document content hashes."""
+        return self.query(COSTS_SQL, {"hashes": list(hashes), "docs": list(docs)}).to_pylist()
 
     def summary_agreement(self, hashes: Sequence[str], docs: Sequence[str]) -> list[dict]:
         """ROUGE-L and delta-NLL of each summary against the uncompressed one, latest run per (configuration,

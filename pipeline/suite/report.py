@@ -37,10 +37,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nll: Sequence[dict] = ()) -> list[str]:
-    """Per length: one row per configuration, one column per task, then the calibrated cells' mean accuracy
-    and delta gold NLL (``nll``: that metric's scores)."""
+def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nll: Sequence[dict] = (),
+                    cost: Optional[dict] = None) -> list[str]:
+    """Per length: one row per configuration (every press against the uncompressed model), one column per
+    task, then the calibrated cells' mean accuracy, its share of the uncompressed one, delta gold NLL
+    (``nll``: that metric's scores), resident KV, and what compression cost (``cost``: ``costs``)."""
     ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
+    cost = cost or {}
     nll_by = defaultdict(list)
     for s in nll:
         if (s["task"], s["length"]) in ok:
@@ -51,23 +54,30 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
     lines = []
     for length in sorted({s["length"] for s in scores}):
         tasks = [t for t in TASKS if any(s["task"] == t and s["length"] == length for s in scores)]
+        full = _mean([s["value"] for s in scores if s["length"] == length and s["press"] == "no_press"
+                      and (s["task"], s["length"]) in ok])
+        full_prefill = next((c["prefill_s"] for (n, _), c in cost.items() if n == length and c["reference"]), None)
         rows = []
         for (n, h), ss in by.items():
             if n != length:
                 continue
             s0 = ss[0]
+            ref = s0["press"] == "no_press"
             cells = [_fmt(_mean([s["value"] for s in ss if s["task"] == t])) for t in tasks]
-            calibrated = [s["value"] for s in ss if (s["task"], s["length"]) in ok]
-            ratio = "-" if s0["press"] == "no_press" else f"{s0['compression_ratio']:g}"
-            rows.append(((s0["press"] != "no_press", s0["press"], s0["head_budget"], s0["prefill"],
+            calibrated = _mean([s["value"] for s in ss if (s["task"], s["length"]) in ok])
+            c = cost.get((length, h), {})
+            overhead = c["compress_s"] / full_prefill if c and full_prefill else None
+            rows.append(((not ref, s0["press"], s0["head_budget"], s0["prefill"],
                           KVQuant.from_fields(s0).sort_key(), s0["compression_ratio"]),  # 16 bits first
-                         [label(s0), ratio, *cells, _fmt(_mean(calibrated)),
-                          "-" if s0["press"] == "no_press" else _fmt(_mean(nll_by.get((length, h), [])), 3),
-                          _fmt(mib.get((length, h)), 2)]))
+                         [label(s0), "-" if ref else f"{s0['compression_ratio']:g}", *cells, _fmt(calibrated),
+                          "-" if ref else _fmt(calibrated / full if full else math.nan),
+                          "-" if ref else _fmt(_mean(nll_by.get((length, h), [])), 3),
+                          _fmt(mib.get((length, h)), 2), "-" if ref else _fmt(c.get("compress_s"), 2),
+                          "-" if ref else _fmt(overhead, 2)]))
         rows.sort(key=lambda r: (r[0][0], _rank(r[0][1]), *r[0][2:]))
         lines += [f"### {length_label(length)} ({length} tokens)", ""]
-        lines += _table(["configuration", "r", *tasks, "calibrated cells", "delta gold NLL", "resident KV MiB/doc"],
-                        [r for _, r in rows])
+        lines += _table(["configuration", "r", *tasks, "calibrated cells", "of uncompressed", "delta gold NLL",
+                         "resident KV MiB/doc", "compress s/doc", "compress / prefill"], [r for _, r in rows])
         lines.append("")
     return lines
 
@@ -127,12 +137,24 @@ def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
 
 def resident_mib(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict) -> dict:
     """(length, config hash) -> mean resident KV MiB per document."""
-    rows = store.kv_bytes_by_document(hashes, docs)
+    return _per_length(store.kv_bytes_by_document(hashes, docs), doc_length,
+                       lambda rows: _mean([r["resident"] / 2**20 for r in rows]))
+
+
+def costs(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict, reference: str) -> dict:
+    """(length, config hash) -> mean prefill and compression seconds per document, and whether the hash is
+    the uncompressed ``reference`` (whose prefill is what compression is an overhead on)."""
+    return _per_length(store.costs_by_document(hashes, docs), doc_length, lambda rows: {
+        "prefill_s": _mean([r["prefill_s"] for r in rows]), "compress_s": _mean([r["compress_s"] for r in rows]),
+        "reference": rows[0]["config_hash"] == reference})
+
+
+def _per_length(rows: Sequence[dict], doc_length: dict, reduce) -> dict:
     acc = defaultdict(list)
     for r in rows:
         if r["doc_id"] in doc_length:
-            acc[(doc_length[r["doc_id"]], r["config_hash"])].append(r["resident"] / 2**20)
-    return {k: _mean(v) for k, v in acc.items()}
+            acc[(doc_length[r["doc_id"]], r["config_hash"])].append(r)
+    return {k: reduce(v) for k, v in acc.items()}
 
 
 def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path: Path) -> Optional[Path]:
@@ -187,9 +209,10 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
     return path
 
 
-def headline_table(heads: Sequence[dict], a: str, b: str, digits: int) -> list[str]:
-    return _table(["r", "head budget", "prefill", "questions", a, b, "better", "worse", "same", "mean diff +- SE"],
-                  [[f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
+def headline_table(heads: Sequence[dict], digits: int) -> list[str]:
+    return _table(["against", "r", "head budget", "prefill", "questions", "NestedKV", "other", "better", "worse",
+                   "same", "mean diff +- SE"],
+                  [[h["rival"], f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
                     h["prefill"] + h["quant"].label(), h["n"],
                     _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
                     f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
@@ -205,7 +228,9 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     nll = store.suite_scores(hashes, doc_hashes, DELTA_GOLD_NLL)
     calib = calibration(scores, opts.threshold)
     heads, cells = headline(scores, calib, long_from=opts.long_from)
-    mib = resident_mib(store, hashes, doc_hashes, {d["doc_id"]: d["length"] for d in docs})
+    doc_length = {d["doc_id"]: d["length"] for d in docs}
+    mib = resident_mib(store, hashes, doc_hashes, doc_length)
+    cost = costs(store, hashes, doc_hashes, doc_length, hashes[0])
     out = opts.out_dir
     plot = plot_frontier(scores, calib, mib, out / PLOT_NAME)
 
@@ -231,18 +256,19 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     if kinds:
         lines += ["", "Uncompressed accuracy by needle kind (the niah tasks): " + "; ".join(
             f"{length_label(n)} {k} {_fmt(_mean(v))} ({len(v)})" for (n, k), v in sorted(kinds.items())) + "."]
-    lines += ["", "## Headline: NestedKV against KeyDiff (same budget mode)", ""]
+    lines += ["", "## Headline: NestedKV against each other press (same budget mode)", ""]
     if cells:
         lines.append("Cells: " + ", ".join(f"{t} {length_label(n)}" for t, n in sorted(cells)) + ". Paired per "
-                     "question; diff = NestedKV - KeyDiff; * = NestedKV's best budget mode at that ratio (chosen "
-                     "on these same questions).")
+                     "question; diff = NestedKV - the other press; * = NestedKV's best budget mode at that ratio "
+                     "against that press (chosen on these same questions). Every press against the uncompressed "
+                     "model, with what compression costs: the per-length tables below.")
         lines.append("")
-        lines += headline_table(heads, "NestedKV", "KeyDiff", 2)
+        lines += headline_table(heads, 2)
         nll_heads, _ = headline(nll, calib, long_from=opts.long_from, lower_is_better=True)
         if nll_heads:
             lines += ["", "Delta gold NLL (teacher-forced NLL of the gold answer under the compressed cache minus "
                       "under the full one, nats per token; lower is better), same cells and pairing:", ""]
-            lines += headline_table(nll_heads, "NestedKV", "KeyDiff", 3)
+            lines += headline_table(nll_heads, 3)
     else:
         lines.append("No cell passed calibration at these lengths: no headline.")
     lines += ["", "## r = 0.5: share of the uncompressed accuracy kept (calibrated cells)", ""]
@@ -255,7 +281,9 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
     lines += [f"- {name}: {_fmt(_mean(v))} of uncompressed {_fmt(full)} = {_fmt(_mean(v) / full if full else math.nan)}"
               for name, v in sorted(keep.items())] or ["- no NestedKV run at r = 0.5 on calibrated cells"]
     lines += ["", "## Accuracy per task, length and configuration", ""]
-    lines += accuracy_tables(scores, calib, mib, nll)
+    lines += ["Compress / prefill: the seconds compression took (scoring, eviction, and for presses that score "
+              "with the model their probe pass) over the uncompressed prefill's, per document.", ""]
+    lines += accuracy_tables(scores, calib, mib, nll, cost)
     ablation = opts.ablation_configs()
     if ablation:
         abl = {c.config_hash() for c in ablation}
