@@ -25,6 +25,13 @@ def kind_of(c, layer: int) -> str:
                      "KVCache (compressed), RotatingKVCache or ArraysCache (kept as mlx-lm has them)")
 
 
+def is_hybrid(model) -> bool:
+    """Whether some layer of ``model`` keeps mlx-lm's own cache (sliding window or state): such a model's
+    caches cannot be stacked for a batched decode."""
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    return any(is_kept_as_is(c) for c in caches)
+
+
 def is_kept_as_is(c) -> bool:
     """A layer NestedKV leaves to mlx-lm (sliding window or state)."""
     return isinstance(c, (RotatingKVCache, ArraysCache))

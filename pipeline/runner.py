@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 import nestedkv
+from nestedkv.layer_kinds import is_hybrid
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.prompts import build_prompt, encode, question_text
@@ -70,6 +71,8 @@ class Runner:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.press = config.make_press()
         self.max_context = max_context
+        # Sliding-window and state layers cannot be stacked: a hybrid model answers one document at a time.
+        self.can_batch = not is_hybrid(model)
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
         self.penalty = config.penalty()  # (penalty, context) or None

@@ -167,3 +167,37 @@ def test_hybrid_documents_run_through_the_runner_with_every_layer_counted(kind):
     assert set(kinds) == set(MATRIX[kind].split(","))
     other = kinds["sliding" if "sliding" in kinds else "state"]
     assert other.bytes_kept == other.bytes_full > 0 and kinds["full"].bytes_kept < kinds["full"].bytes_full
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "qwen3_next"])
+def test_hybrid_batch_decode_streaming_and_prefill_cache_answer_as_one_at_a_time(kind, tmp_path, prefills):
+    """On a hybrid model the engine's batched decode (which cannot stack sliding or state layers) answers one
+    document at a time, as without it; the prefill cache stores and loads the mixed layers; streaming prefill
+    compresses the full layers while reading."""
+    from pipeline.config import EngineOptions, RunConfig
+    from pipeline.documents import Document
+    from pipeline.engine import compute
+    from pipeline.runner import Runner
+    from tiny import ByteTokenizer, sample_docs
+
+    base = dict(task="qa", model=f"test/tiny-{kind}", max_new_tokens=5, head_budget="uniform")  # a repo id: keyed by name
+    configs = [RunConfig(**base, compression_ratio=r) for r in (0.5, 0.75)]
+    runner = Runner(model_of(kind), ByteTokenizer(), configs[0])
+    doc = Document(**sample_docs(1)[0])
+
+    def answers(**options):
+        got = compute(runner, doc, configs, options=EngineOptions(**options))
+        assert all(o.result.status == "ok" for o in got), [o.result.error for o in got]
+        return [[q.output for q in o.result.questions] for o in got]
+
+    alone = answers()
+    assert answers(batch_decode=True) == alone
+    cached = str(tmp_path / "pc")
+    assert answers(prefill_cache=cached) == alone  # computed and stored
+    assert list((tmp_path / "pc").glob("*.safetensors"))
+    prefills.clear()
+    assert answers(prefill_cache=cached) == alone and prefills == []  # loaded, not prefilled again
+    res = Runner(model_of(kind), ByteTokenizer(), RunConfig(**base, compression_ratio=0.75, prefill="streaming")).run(doc)
+    assert res.status == "ok" and all(q.n_generated for q in res.questions), res.error
+    full = [m for m in res.layers if m.kind == "full"]
+    assert full and all(m.bytes_kept < m.bytes_full for m in full)

@@ -57,7 +57,7 @@ class Work:
         self.runner, self.doc, self.todo, self.reference, self.options, self.hooks = \
             runner, doc, todo, reference, options, hooks
         self.evaluate = options.evaluate and reference is not None
-        self.batch = options.batch_decode or options.batch_size > 1
+        self.batch = (options.batch_decode or options.batch_size > 1) and runner.can_batch
         self.results: dict[RunConfig, Optional[DocumentResult]] = {cfg: None for cfg in todo}
         self.scores: dict[RunConfig, list[dict]] = {}
         self.extra: dict[RunConfig, list[dict]] = {}
