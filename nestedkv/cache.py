@@ -112,31 +112,40 @@ def _check_cache(cache) -> None:
         raise TypeError("cache must be the list returned by nestedkv.make_cache(model, press)")
 
 
-def compress(cache, model=None, tokens=None, prompt=()) -> None:
+def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     """Compress every full-attention layer once, after the last chunk of the context (the layers mlx-lm keeps
     as is stay so); evaluates the result. A press that scores with the model (``needs_model``) needs ``model``
-    and the context's ``tokens``; ``prompt``: the tokens of its instruction (KVzip's "repeat the context")."""
+    and the context's ``tokens``; ``prompt``: the tokens of its instruction (KVzip's "repeat the context").
+    ``scores``: what ``model_scores`` gave for this context under a press of the same ``scoring_key`` (a
+    sweep scores once for all its budgets)."""
     _check_cache(cache)
-    press = press_of(cache)
     full = [c for c in cache if isinstance(c, NestedKVCache)]
-    scores = [None] * len(cache)
-    if press.needs_model and not full[0].compressed:
-        if len(full) < len(cache):  # its probe pass feeds full-attention caches only
-            raise ValueError(f"press {press.name!r} scores with the model on full-attention models only; this "
-                             "model has sliding-window or state layers: use a key-only press (nestedkv, keydiff)")
-        if model is None or tokens is None:
-            raise ValueError(f"press {press.name!r} scores keys with the model: call "
-                             "nestedkv.compress(cache, model=model, tokens=context_ids)")
-        if len(tokens) != full[0].stored:
-            raise ValueError(f"press {press.name!r}: {len(tokens)} tokens given for a cache of {full[0].stored} "
-                             "context positions")
-        scores = press.model_scores(model, cache, list(tokens), list(prompt))
-    for c, s in zip(cache, scores):
+    if scores is None and press_of(cache).needs_model and not full[0].compressed:
+        scores = model_scores(cache, model, tokens, prompt)
+    for c, s in zip(cache, scores or [None] * len(cache)):
         if isinstance(c, NestedKVCache):
             c.compress(s)
         else:
             remember_context(c)
     mx.eval([c.state for c in cache])
+
+
+def model_scores(cache, model, tokens, prompt=()) -> list:
+    """One ``[B, H, N]`` score per layer of an uncompressed ``cache`` holding ``tokens``, from its press's
+    pass with the model (``needs_model`` presses); nothing of the cache changes."""
+    _check_cache(cache)
+    press = press_of(cache)
+    full = [c for c in cache if isinstance(c, NestedKVCache)]
+    if len(full) < len(cache):  # its probe pass feeds full-attention caches only
+        raise ValueError(f"press {press.name!r} scores with the model on full-attention models only; this "
+                         "model has sliding-window or state layers: use a key-only press (nestedkv, keydiff)")
+    if model is None or tokens is None:
+        raise ValueError(f"press {press.name!r} scores keys with the model: call "
+                         "nestedkv.compress(cache, model=model, tokens=context_ids)")
+    if len(tokens) != full[0].stored:
+        raise ValueError(f"press {press.name!r}: {len(tokens)} tokens given for a cache of {full[0].stored} "
+                         "context positions")
+    return press.model_scores(model, cache, list(tokens), list(prompt))
 
 
 def press_of(cache) -> BasePress:

@@ -178,13 +178,25 @@ class Runner:
         res.peak_prefill_bytes = mx.get_peak_memory()
         return cache
 
-    def compress(self, cache, res: DocumentResult, tokens: Optional[list[int]] = None) -> None:
+    def compress(self, cache, res: DocumentResult, tokens: Optional[list[int]] = None,
+                 scored: Optional[dict] = None) -> None:
         """Compress a prefilled cache once; time it and account for its memory (peaks include the prefill's).
-        ``tokens``: the context, for presses that score with the model (their passes count as compression)."""
+        ``tokens``: the context, for presses that score with the model (their passes count as compression).
+        ``scored``: one document's model scores by ``scoring_key``, shared by its configurations; each still
+        records the scoring pass's seconds and peak, what it costs a run alone."""
         t0 = time.perf_counter()
-        nestedkv.compress(cache, model=self.model, tokens=tokens, prompt=self.repeat_prompt())
-        res.compress_s = time.perf_counter() - t0
-        res.peak_prefill_bytes = max(res.peak_prefill_bytes, mx.get_peak_memory())
+        press = nestedkv.press_of(cache)
+        scores, shared_s, shared_peak = None, 0.0, 0
+        if press.needs_model and scored is not None and tokens is not None:
+            key = press.scoring_key()
+            if key in scored:
+                scores, shared_s, shared_peak = scored[key]
+            else:
+                scores = nestedkv.model_scores(cache, self.model, tokens, self.repeat_prompt())
+                scored[key] = (scores, time.perf_counter() - t0, mx.get_peak_memory())
+        nestedkv.compress(cache, model=self.model, tokens=tokens, prompt=self.repeat_prompt(), scores=scores)
+        res.compress_s = time.perf_counter() - t0 + shared_s
+        res.peak_prefill_bytes = max(res.peak_prefill_bytes, mx.get_peak_memory(), shared_peak)
         peaks = nestedkv.peak_kv_bytes(cache)
         res.peak_kv_prefill_bytes = sum(peaks)
         res.layers = [replace(m, peak_prefill_kv_bytes=p) for m, p in zip(nestedkv.layer_stats(cache), peaks)]

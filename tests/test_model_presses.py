@@ -183,3 +183,33 @@ def test_expected_attention_reads_queries_without_their_rope_turning():
     rotated = expected_attention_scores(queries, keys, values, 0.25, True)
     assert not np.allclose(np.array(rotated), np.array(mean_only), atol=1e-2)
 
+
+
+@pytest.mark.parametrize("name", MODEL_PRESSES)
+def test_a_sweep_scores_a_document_once_for_all_its_budgets(monkeypatch, name):
+    """Configurations that differ only in ratio and head budget share one scoring pass per document; each
+    answers as it does alone and records the pass's seconds as its own compression cost."""
+    from pipeline.config import EngineOptions, RunConfig
+    from pipeline.documents import Document
+    from pipeline.engine import compute
+    from pipeline.runner import Runner
+    from tiny import ByteTokenizer, make_tiny_model, sample_docs
+
+    cls = type(get_press(name))
+    calls = []
+    real = cls.model_scores
+    monkeypatch.setattr(cls, "model_scores", lambda self, *a: calls.append(1) or real(self, *a))
+    configs = [RunConfig(task="qa", model="tiny", press=name, max_new_tokens=4, compression_ratio=r, head_budget=h)
+               for r in (0.5, 0.75) for h in ("uniform", "adaptive")]
+    runner = Runner(make_tiny_model(), ByteTokenizer(), configs[0])
+    doc = Document(**sample_docs(1, 300)[0])
+    together = compute(runner, doc, configs, options=EngineOptions())
+    assert len(calls) == 1 and all(o.result.status == "ok" for o in together)
+    shared_s = together[0].result.compress_s
+    assert all(o.result.compress_s >= shared_s for o in together[1:])
+    for cfg, got in zip(configs, together):
+        calls.clear()
+        alone = compute(runner, doc, [cfg], options=EngineOptions())[0]
+        assert len(calls) == 1
+        assert [q.output for q in alone.result.questions] == [q.output for q in got.result.questions]
+        assert [m.kept_mean for m in alone.result.layers] == [m.kept_mean for m in got.result.layers]

@@ -25,6 +25,8 @@ from nestedkv.selection import (
 from nestedkv.streaming import StreamScorer
 
 PREFILL_MODES = ("whole", "streaming")
+# The fields that pick rows from a press's scores, or store the picked rows, without changing the scores.
+SELECTION_FIELDS = ("compression_ratio", "budget", "head_budget", "kv_bits", "kv_group_size", "kv_hadamard")
 INT32_MAX = 2**31 - 1  # lengths and positions are int32 in the cache's arrays
 SEED_MAX = 2**64 - 1  # mx.random.key takes a uint64
 
@@ -109,6 +111,13 @@ class BasePress:
         """One ``[B, H, N]`` score per layer of an uncompressed ``cache`` holding ``tokens`` (the context);
         ``prompt``: the tokens of an instruction a press may feed (e.g. "repeat the context")."""
         raise NotImplementedError
+
+    def scoring_key(self) -> str:
+        """What this press's scores depend on: its JSON less the fields that only choose among the scores
+        (ratio, budget, head budget) or store the kept rows (quantization). Presses with one key may share
+        one scoring pass (``nestedkv.compress(..., scores=)``)."""
+        params = json.loads(self.to_json())
+        return json.dumps({k: v for k, v in params.items() if k not in SELECTION_FIELDS}, sort_keys=True)
 
     def check_whole_prefill(self) -> None:
         if self.needs_model and self.prefill != "whole":

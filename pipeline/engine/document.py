@@ -63,6 +63,7 @@ class Work:
         self.extra: dict[RunConfig, list[dict]] = {}
         self.together: dict[RunConfig, list] = {}
         self.ref = None  # pipeline.evaluate.Reference, once the reference answered
+        self.scored: dict = {}  # model scores by press.scoring_key(): one pass for a sweep's budgets
         self.prepared = None
         self._reported = 0
 
@@ -86,7 +87,7 @@ class Work:
             for name in self.options.metrics:
                 self.extra[cfg] = _merge(self.extra.get(cfg), METRIC_HOOKS[name](runner, self.prepared, full,
                                                                                  nestedkv.press_of(cache)))
-        runner.compress(cache, res, self.prepared.context_ids)
+        runner.compress(cache, res, self.prepared.context_ids, self.scored)
         if self.batch and not cfg.is_reference:
             self.together[cfg] = cache
             return
