@@ -122,9 +122,11 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     full = [c for c in cache if isinstance(c, NestedKVCache)]
     if scores is None and press_of(cache).needs_model and not full[0].compressed:
         scores = model_scores(cache, model, tokens, prompt)
-    for c, s in zip(cache, scores or [None] * len(cache)):
+    scores = scores or [None] * len(cache)
+    keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(cache)
+    for c, s, k in zip(cache, scores, keeps):
         if isinstance(c, NestedKVCache):
-            c.compress(s)
+            c.compress(s, k)
         else:
             remember_context(c)
     mx.eval([c.state for c in cache])

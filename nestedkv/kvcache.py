@@ -334,10 +334,10 @@ class NestedKVCache(KVCache):
             self.layout = self.layout.per_head()
             self.n_ctx_rows = self.stored = max(self.layout.head_rows)
 
-    def compress(self, scores: Optional[mx.array] = None) -> None:
+    def compress(self, scores: Optional[mx.array] = None, keep: Optional[int] = None) -> None:
         """Score the context and keep the press's budget (streaming: the rows still stored, scored with the
-        running statistics). ``scores``: ``[B, H, N]`` a model-scoring press computed for the whole context.
-        A second call is a no-op."""
+        running statistics). ``scores``: ``[B, H, N]`` a model-scoring press computed for the whole context;
+        ``keep``: the rows per head it allots this layer (``BasePress.layer_keeps``). A second call is a no-op."""
         if self.compressed:
             return
         if self.empty() or self.stored == 0:
@@ -350,7 +350,7 @@ class NestedKVCache(KVCache):
             # Nothing evicted yet: every key of the context is here, score it whole (exact).
             keys, values = self.keys[..., :n, :], self.values[..., :n, :]
             sel = (self.press.select(keys, unrope=self.unrope) if scores is None
-                   else self.press.select_model_scores(scores))
+                   else self.press.select_model_scores(scores, keep))
         else:
             keep = self._keep()
             if keep is not None and self._rows_kept() > keep * self.kept.shape[1]:

@@ -139,10 +139,18 @@ class BasePress:
             keys = rope.required(unrope, self.name)(keys, 0)
         return self.select_scores(self.score(keys), keep)
 
-    def select_model_scores(self, scores: mx.array) -> Optional[Selection]:
-        """``select`` for scores a ``needs_model`` press computed; None when nothing needs evicting."""
-        keep = self.n_keep(scores.shape[2])
-        return None if keep is None else self.select_scores(scores, keep)
+    def select_model_scores(self, scores: mx.array, keep: Optional[int] = None) -> Optional[Selection]:
+        """``select`` for scores a ``needs_model`` press computed; ``keep``: rows per head on average in this
+        layer (``layer_keeps``), else the press's budget; None when nothing needs evicting."""
+        budget = self.n_keep(scores.shape[2])
+        if budget is None:
+            return None
+        return self.select_scores(scores, budget if keep is None else keep)
+
+    def layer_keeps(self, scores: list) -> list[Optional[int]]:
+        """Per layer, the rows per head to keep from these ``model_scores`` (None: the press's budget, the
+        same in every layer). A press whose scores are comparable across layers may move budget between them."""
+        return [None] * len(scores)
 
     def select_scores(self, scores: mx.array, keep: int, cap: Optional[int] = None) -> Selection:
         """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition);

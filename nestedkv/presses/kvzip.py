@@ -1,7 +1,9 @@
 """KVzip (arXiv:2505.23416): query-agnostic scores from context reconstruction. After the prefill the model
 reads an instruction to repeat the context followed by the context again, chunk by chunk, attending to the
-cache; each cached key scores the most attention any reconstruction query gives it, per KV head over its
-query group. About one more prefill of compute, counted as compression."""
+whole cache as any forward pass does. A cached key's score is the most attention it gets from the queries
+repeating its own chunk, the softmax taken over that chunk's cached keys, the attention sinks and the fed rows
+(as the paper's implementation scores), per KV head over its query group. About one more prefill of compute,
+counted as compression."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv.presses.base import BasePress, check
+from nestedkv.selection import N_SINK
 
 
 @dataclass(frozen=True)
@@ -21,25 +24,52 @@ class KVzipPress(BasePress):
     needs_model: ClassVar[bool] = True
 
     chunk: int = 512  # context tokens reconstructed per forward pass (each after the repeat instruction)
+    # Context tokens before each later chunk fed again after the instruction, so the model knows where the
+    # repetition resumes (the paper's implementation feeds the previous chunk's last 8).
+    overlap: int = 8
 
     def __post_init__(self):
         super().__post_init__()
-        check(isinstance(self.chunk, int) and not isinstance(self.chunk, bool) and self.chunk >= 1,
-              "chunk", "a positive int", self.chunk, self.name)
+        for field, least in (("chunk", 1), ("overlap", 0)):
+            v = getattr(self, field)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= least, field, f"an int >= {least}", v,
+                  self.name)
+
+    def layer_keeps(self, scores: list) -> list:
+        """Adaptive budgets compete across layers too, as in the paper: its scores are attention
+        probabilities, comparable between layers, and only some layers reconstruct (copy or induction heads);
+        one threshold over every layer and head gives each layer the rows above it. Uniform: the same budget
+        per head in every layer."""
+        n = scores[0].shape[2]
+        keep = self.n_keep(n)
+        if self.head_budget != "adaptive" or keep is None:
+            return super().layer_keeps(scores)
+        flat = mx.concatenate([s.reshape(-1) for s in scores])
+        total = keep * sum(s.shape[0] * s.shape[1] for s in scores)
+        threshold = mx.sort(flat)[flat.size - total]
+        counts = [int(mx.sum(s >= threshold).item()) for s in scores]
+        return [min(n, max(self.n_sink, round(c / (s.shape[0] * s.shape[1])))) for c, s in zip(counts, scores)]
 
     def model_scores(self, model, cache, tokens, prompt):
         from nestedkv.probe import probe, probe_attention  # the attention module imports the presses
 
         n = len(tokens)
-        scores = [None] * len(cache)
+        starts = [0] * len(cache)  # per layer, the chunk the current feed repeats
+        parts: list[list] = [[] for _ in cache]
 
         def observe(layer, queries, keys, values, scale):
-            out, weights = probe_attention(queries, keys, values, scale, n)
-            got = mx.max(weights, axis=2)  # [B, H, n]
-            scores[layer] = got if scores[layer] is None else mx.maximum(scores[layer], got)
-            return out  # the layer's attention, computed once
+            a = starts[layer]
+            b = starts[layer] = min(a + self.chunk, n)
+            sink = min(N_SINK, a)
 
-        feeds = [prompt + tokens[a : a + self.chunk] for a in range(0, n, self.chunk)]
+            def chunk_rows(x):
+                return mx.concatenate([x[..., :sink, :], x[..., a:b, :], x[..., n:, :]], axis=2)
+
+            _, weights = probe_attention(queries, chunk_rows(keys), chunk_rows(values), scale, sink + b - a)
+            parts[layer].append(mx.max(weights[..., sink:], axis=2))  # [B, H, b - a]
+            return None  # the layer attends as always, to the whole cache
+
+        feeds = [prompt + tokens[max(a - self.overlap, 0) : a + self.chunk] for a in range(0, n, self.chunk)]
         for _ in probe(model, cache, feeds, observe, self.name):
-            mx.eval(scores)
-        return scores
+            mx.eval([p[-1] for p in parts if p])
+        return [mx.concatenate(p, axis=-1) if p else None for p in parts]
