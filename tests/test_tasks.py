@@ -237,6 +237,15 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     timeless = lambda md: [line for line in md.splitlines() if not line.startswith("Wall time")]  # noqa: E731
     assert loads == [] and timeless(again.markdown_path.read_text()) == timeless(text)
 
+    # without NestedKV in the grid there is nothing to pair: said so, not an empty table
+    from dataclasses import replace
+
+    alone = replace(opts, grid=PressGrid(press=["keydiff"], compression_ratio=[0.75], head_budget=["uniform"]),
+                    ablation=False)
+    with use_tiny_model(monkeypatch):
+        md = suite.run_suite(alone, count=COUNT, log=lambda m: None).markdown_path.read_text()
+    assert "nothing to pair" in md and "| against |" not in md
+
 
 @pytest.mark.slow  # suite runs through the CLI
 def test_cli_suite_calibration_only_and_bad_options(monkeypatch, tmp_path):

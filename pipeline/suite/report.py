@@ -257,7 +257,7 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
         lines += ["", "Uncompressed accuracy by needle kind (the niah tasks): " + "; ".join(
             f"{length_label(n)} {k} {_fmt(_mean(v))} ({len(v)})" for (n, k), v in sorted(kinds.items())) + "."]
     lines += ["", "## Headline: NestedKV against each other press (same budget mode)", ""]
-    if cells:
+    if cells and heads:
         lines.append("Cells: " + ", ".join(f"{t} {length_label(n)}" for t, n in sorted(cells)) + ". Paired per "
                      "question; diff = NestedKV - the other press; * = NestedKV's best budget mode at that ratio "
                      "against that press (chosen on these same questions). Every press against the uncompressed "
@@ -269,6 +269,8 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
             lines += ["", "Delta gold NLL (teacher-forced NLL of the gold answer under the compressed cache minus "
                       "under the full one, nats per token; lower is better), same cells and pairing:", ""]
             lines += headline_table(nll_heads, 3)
+    elif cells:
+        lines.append("No NestedKV configuration ran beside another press: nothing to pair.")
     else:
         lines.append("No cell passed calibration at these lengths: no headline.")
     lines += ["", "## r = 0.5: share of the uncompressed accuracy kept (calibrated cells)", ""]
