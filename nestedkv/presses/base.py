@@ -230,3 +230,10 @@ def _int_in(v, lo: int, hi: int) -> bool:
 def check(ok: bool, name: str, want: str, got, press: str) -> None:
     if not ok:
         raise ValueError(f"{press} parameter {name} must be {want}, got {got!r}")
+
+
+def check_ints(press: BasePress, **least: int) -> None:
+    """Each named field of ``press`` an int of at least its given value."""
+    for field, lo in least.items():
+        v = getattr(press, field)
+        check(_int_in(v, lo, INT32_MAX), field, f"an int >= {lo}", v, press.name)

@@ -18,7 +18,7 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
-from nestedkv.presses.base import BasePress, check
+from nestedkv.presses.base import BasePress, check, check_ints
 from nestedkv.rope import from_description, mean_rotation
 
 
@@ -61,10 +61,7 @@ class ExpectedAttentionPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        for field, least in (("n_recent", 2), ("n_future", 1)):
-            v = getattr(self, field)
-            check(isinstance(v, int) and not isinstance(v, bool) and v >= least, field, f"an int >= {least}", v,
-                  self.name)
+        check_ints(self, n_recent=2, n_future=1)
         check(isinstance(self.use_covariance, bool), "use_covariance", "true or false", self.use_covariance,
               self.name)
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from nestedkv.presses.base import BasePress, check
+from nestedkv.presses.base import BasePress, check_ints
 from nestedkv.selection import N_SINK
 
 
@@ -30,10 +30,7 @@ class KVzipPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        for field, least in (("chunk", 1), ("overlap", 0)):
-            v = getattr(self, field)
-            check(isinstance(v, int) and not isinstance(v, bool) and v >= least, field, f"an int >= {least}", v,
-                  self.name)
+        check_ints(self, chunk=1, overlap=0)
 
     def layer_keeps(self, scores: list) -> list:
         """Adaptive budgets compete across layers too, as in the paper: its scores are attention
