@@ -2,6 +2,8 @@
 savings, both head budgets, quantized KV, a cloned (prefill-cache) context, their refusals, and that their
 scores are not a key-only press's."""
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -220,7 +222,7 @@ def test_a_sweep_scores_a_document_once_for_all_its_budgets(monkeypatch, name):
         return real(self, *a)
 
     monkeypatch.setattr(cls, "model_scores", scoring)
-    monkeypatch.setattr("pipeline.runner.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("pipeline.runner.time", SimpleNamespace(perf_counter=lambda: clock[0]))  # its clock only
     configs = [RunConfig(task="qa", model="tiny", press=name, max_new_tokens=4, compression_ratio=r, head_budget=h)
                for r in (0.5, 0.75) for h in ("uniform", "adaptive")]
     runner = Runner(make_tiny_model(), ByteTokenizer(), configs[0])
