@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -322,10 +324,6 @@ def _load_dir(location: str, ref: str):
 
 def _warn_slow_blas() -> None:
     """Once per process, where a model runs on the CPU without the system OpenBLAS: one log line."""
-    import mlx.core as mx
-
-    from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
-
     if missing_openblas() and mx.default_device() == mx.cpu and not _state["warned_blas"]:
         _state["warned_blas"] = True
         log.warning("%s (CPU matmuls run about 40x slower)", MISSING_OPENBLAS)
