@@ -23,9 +23,10 @@ class QueryStopped(Exception):
 
 @contextmanager
 def interrupt_latch() -> Iterator[threading.Event]:
-    """An event set by every SIGINT while the block runs, the previous handler still called. Python
-    swallows a KeyboardInterrupt raised inside a ``__del__`` or weakref callback (a GC pass in the writer);
-    the latch lets the query loop raise it again at its next step."""
+    """While the block runs, a Ctrl-C (SIGINT) only sets the returned event; the query loop raises
+    KeyboardInterrupt at its next step, outside any lock. Raised anywhere, as Python's handler does, it was
+    lost inside a finalizer (a GC pass in the writer) or left the queue's lock held, and the worker thread
+    with it. A second Ctrl-C before that goes to the previous handler at once."""
     seen = threading.Event()
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or not callable(previous):
@@ -33,14 +34,19 @@ def interrupt_latch() -> Iterator[threading.Event]:
         return
 
     def latch(signum, frame):
+        if seen.is_set():
+            previous(signum, frame)
         seen.set()
-        previous(signum, frame)
 
     signal.signal(signal.SIGINT, latch)
     try:
         yield seen
-    finally:
+    except BaseException:
         signal.signal(signal.SIGINT, previous)
+        raise
+    signal.signal(signal.SIGINT, previous)
+    if seen.is_set():  # latched as the block ended, before the loop raised it
+        raise KeyboardInterrupt
 
 
 @contextmanager
