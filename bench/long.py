@@ -37,7 +37,8 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
         window: Optional[int] = None, log: Log = print) -> dict:
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one)."""
-    from pipeline.models import load_model, model_info
+    from pipeline.models import load_model
+    from pipeline.model_shape import model_info
     from pipeline.runner import Runner
     from pipeline.tasks.build import generate, token_counter
 
@@ -122,7 +123,8 @@ def rates(model_ref: str, lengths: Sequence[int], budget: int = 1024, press: str
 
     import nestedkv
     from nestedkv.press import get_press
-    from pipeline.models import load_model, model_info
+    from pipeline.models import load_model
+    from pipeline.model_shape import model_info
     from pipeline.prompts import encode
     from pipeline.runner import prefill
     from pipeline.tasks.text import haystack

@@ -57,6 +57,15 @@ class DocumentResult:
         self.status, self.error, self.exception = ERROR, f"{type(exc).__name__}: {exc}", exc
         return self
 
+    def close_questions(self) -> "DocumentResult":
+        """A document with a failed question is an error, naming each failed question. A question too long
+        for the window is not a failure of the document: only its own row says so, the others keep theirs."""
+        failed = [q for q in self.questions if q.status not in (OK, TOO_LONG)]
+        if failed:
+            self.status = ERROR
+            self.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in failed if q.error)
+        return self
+
     @property
     def all_ok(self) -> bool:
         """The document and every question ended ok (a question too long for the window leaves the document

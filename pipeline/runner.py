@@ -60,10 +60,6 @@ def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: floa
     return mx.put_along_axis(logits, idx, picked, axis=-1)
 
 
-def rewind(cache) -> None:
-    nestedkv.rewind(cache)
-
-
 class Runner:
     """Runs documents for one configuration on one loaded model."""
 
@@ -215,10 +211,10 @@ class Runner:
             if q.status == TOO_LONG:  # never fed: it would run past the model's window
                 continue
             self.answer(cache, ids, q)
-            rewind(cache)
+            nestedkv.rewind(cache)
         res.peak_decode_bytes = mx.get_peak_memory()
         record_decode_peaks(res, cache)
-        return close_questions(res)
+        return res.close_questions()
 
     def finish(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
         """Compress the prefilled cache once, then answer every question from it."""
@@ -305,7 +301,7 @@ class Runner:
                         teacher[e.key] = score_logits(np.array(tail), ref.logits[k], targets)
                 except Exception as exc:
                     q.status, q.error = ERROR, f"{type(exc).__name__}: {exc}"
-                    rewind(e.cache)
+                    nestedkv.rewind(e.cache)
                 q.decode_s = time.perf_counter() - t0
             if live:
                 decoded = self._decode_by_kv_width([e.cache for e in live], first, histories)
@@ -317,7 +313,7 @@ class Runner:
             for e in entries:
                 if k >= len(e.prepared.questions):
                     continue
-                rewind(e.cache)
+                nestedkv.rewind(e.cache)
                 q = e.result.questions[k]
                 if e.reference is not None:
                     s = {} if q.status != OK else score_answer(q.output, gold=q.gold, reference=e.reference.answers[k])
@@ -329,7 +325,7 @@ class Runner:
         for e in entries:
             e.result.peak_decode_bytes = peak
             record_decode_peaks(e.result, e.cache)
-            close_questions(e.result)
+            e.result.close_questions()
         return scores
 
     def _greedy(self, histories: list[list[int]], logits) -> list[int]:
@@ -397,12 +393,3 @@ def record_decode_peaks(res: DocumentResult, cache) -> None:
     res.peak_kv_decode_bytes = sum(peaks)
     res.layers = [replace(m, peak_decode_kv_bytes=p) for m, p in zip(res.layers, peaks)]
 
-
-def close_questions(res: DocumentResult) -> DocumentResult:
-    """A document with a failed question is an error, naming each failed question. A question too long for
-    the window is not a failure of the document: only its own row says so, the others keep their answers."""
-    failed = [q for q in res.questions if q.status not in (OK, TOO_LONG)]
-    if failed:
-        res.status = ERROR
-        res.error = "; ".join(f"question {q.question_idx}: {q.error}" for q in failed if q.error)
-    return res

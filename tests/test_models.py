@@ -12,7 +12,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pipeline import gguf_import, models
-from pipeline.models import ModelLoadError, load_model, model_info
+from pipeline.model_shape import model_info
+from pipeline.models import ModelLoadError, load_model
 from tiny import EOS, finish_gguf, gguf_name, llama_cpp_permute, make_tiny_model, save_tiny_gguf, tiny_model
 
 KINDS = ("llama", "qwen2", "qwen3")

@@ -8,7 +8,8 @@ import pytest
 from pipeline.config import RunConfig
 from pipeline.documents import Document
 from pipeline.results import ERROR, OK, TOO_LONG
-from pipeline.runner import Runner, rewind
+from nestedkv import rewind
+from pipeline.runner import Runner
 from tests.tiny import ByteTokenizer, tiny_model
 
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank. " * 12).strip()

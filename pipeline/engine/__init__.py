@@ -91,7 +91,8 @@ SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budge
 
 def make_runner(config: RunConfig):
     """Load the configured model (cached per process) and wrap it for this configuration."""
-    from pipeline.models import load_model, model_info
+    from pipeline.models import load_model
+    from pipeline.model_shape import model_info
     from pipeline.runner import Runner
 
     model, tokenizer = load_model(config.model)
