@@ -29,7 +29,6 @@ DEFAULT_INPUT = "data/sample_batch.parquet"
 DEFAULT_DB = "runs.duckdb"
 EVAL_INPUT, EVAL_DB = "data/eval_set.parquet", "eval.duckdb"  # the bundled evaluation set; nkv eval's store
 REFERENCE_PRESS = "no_press"
-DEFAULT_HEAD_BUDGET = {"nestedkv": "adaptive"}
 INT32_MAX = 2**31 - 1  # the store's INTEGER columns
 
 SUMMARY_INSTRUCTION = "Summarize the document above in 3 sentences."
@@ -64,7 +63,8 @@ class PressSettings(_Settings):
     budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,
                                   description="absolute tokens kept per KV head (wins over the ratio)")
     head_budget: Optional[HeadBudget] = Field(None, description="uniform, or adaptive (the heads of a layer "
-                                              "compete); default: adaptive for nestedkv, uniform for the others")
+                                              "compete); default: the press's own (adaptive for nestedkv, "
+                                              "uniform for the others)")
     prefill: PrefillMode = Field("whole", description="whole: compress after the last chunk; streaming: evict "
                                  "while prefilling (bounded peak)")
     press_params: dict[str, Any] = Field(default_factory=dict,
@@ -87,11 +87,11 @@ class PressSettings(_Settings):
     @model_validator(mode="before")
     @classmethod
     def _default_head_budget(cls, data):
-        # NestedKV's head-wise competition answers better on every set measured, and since adaptive caches
-        # are stored without padding it costs no memory: it is NestedKV's default. Baselines stay uniform.
+        # None: the press's own default, declared once on the press (an unknown press fails below).
         if isinstance(data, dict) and data.get("head_budget") is None:
-            press = data.get("press", cls.model_fields["press"].default)
-            data = {**data, "head_budget": DEFAULT_HEAD_BUDGET.get(press, "uniform")}
+            press = nestedkv.PRESSES.get(data.get("press", cls.model_fields["press"].default))
+            if press is not None:
+                data = {**data, "head_budget": press.defaults()["head_budget"]}
         return data
 
     @field_validator("kv_group_size")
@@ -121,11 +121,8 @@ class PressSettings(_Settings):
 
     def make_press(self):
         """The nestedkv press these settings describe; ``ValueError`` names a bad parameter."""
-        kw = {"compression_ratio": self.compression_ratio, "budget": self.budget, "head_budget": self.head_budget}
-        if self.prefill != "whole":
-            kw["prefill"] = self.prefill
-        if self.kv_quant.quantized:
-            kw.update(self.kv_quant.as_fields())
+        fields = nestedkv.PRESSES[self.press].defaults()
+        kw = {n: getattr(self, n) for n in PRESS_FIELDS if n != "press_params" and n in fields}
         try:
             return nestedkv.get_press(self.press, **kw, **self.press_params)  # the press parses its JSON values
         except TypeError as exc:  # an unknown parameter name

@@ -2,6 +2,9 @@
 without an edit here): validation, its JSON round trip, select's shapes and sinks under both head budgets,
 streaming equal to whole-context scoring when nothing is evicted before compress, and save/load."""
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from nestedkv import compress, make_cache
 from nestedkv.press import PRESSES, NoPress, compared_methods, get_press
+from pipeline.config import RunConfig
 
 NAMES = sorted(PRESSES)
 METHODS = [n for n in NAMES if PRESSES[n] is not NoPress]
@@ -114,3 +118,27 @@ def test_save_load(tiny_model, tokens, tmp_path, name):
     want, got = model(q, cache=cache), model(q, cache=loaded)
     assert all(c.press == press for c in loaded)
     assert np.array_equal(np.array(want), np.array(got))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_runs_press_is_the_press_at_its_own_defaults(name):
+    # The pipeline's settings take their defaults from the press class: no second table of them.
+    cfg = RunConfig(press=name, compression_ratio=0.0 if PRESSES[name] is NoPress else 0.5)
+    want = get_press(name, compression_ratio=cfg.compression_ratio, **PRESSES[name].run_defaults)
+    assert cfg.make_press() == want
+    assert cfg.head_budget == PRESSES[name].defaults()["head_budget"]
+
+
+def test_a_press_declares_a_runs_default_head_budget_on_its_class():
+    @dataclass(frozen=True)
+    class Competing(PRESSES["knorm"]):
+        name: ClassVar[str] = "test_competing"
+        run_defaults: ClassVar[dict] = {"head_budget": "adaptive"}
+
+    try:
+        assert RunConfig(press="test_competing").head_budget == "adaptive"
+        assert Competing().head_budget == "uniform"  # the library's field keeps its default
+        assert RunConfig(press="knorm").head_budget == "uniform"
+        assert RunConfig(press="nestedkv").head_budget == "adaptive"
+    finally:
+        del PRESSES["test_competing"]

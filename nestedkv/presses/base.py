@@ -49,6 +49,10 @@ class BasePress:
     # Scores need the model, not only the keys: ``model_scores`` runs after the prefill, inside compression
     # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream.
     needs_model: ClassVar[bool] = False
+    # A run's settings for this press where they differ from the fields' defaults, which keep the library's
+    # contract (a uniform budget works with every model; adaptive needs the attention routed). The pipeline
+    # reads them here and nowhere else.
+    run_defaults: ClassVar[dict] = {}
 
     compression_ratio: float = 0.0
     budget: Optional[int] = None
@@ -156,6 +160,11 @@ class BasePress:
         """The head budget around any scorer's ``[B, H, N]`` scores (uniform, or adaptive head competition);
         ``cap``: the most rows one head may keep."""
         return select(scores, keep, self.head_budget, n_sink=self.n_sink, safeguard=self.safeguard, cap=cap)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every field's default, with the run's own where ``run_defaults`` gives one (what a run takes)."""
+        return {**{f.name: f.default for f in fields(cls)}, **cls.run_defaults}
 
     @classmethod
     def parse_params(cls, params: dict) -> dict:

@@ -87,6 +87,9 @@ class NestedKVPress(BasePress):
     rank: ClassVar[int] = 1
     compared: ClassVar[bool] = True
     stream_scorer: ClassVar[type] = NestedKVScorer
+    # Head-wise competition answered better on the bundled evaluation set and cost no memory (adaptive caches
+    # are stored without padding), so runs take it; the field stays uniform, which every model supports.
+    run_defaults: ClassVar[dict] = {"head_budget": "adaptive"}
 
     # On by default: unrotated scoring did better on the bundled evaluation set and the long-context suite
     # (README, "Unrotated scoring"); unrotate=False is the paper's post-RoPE scoring.
