@@ -144,9 +144,10 @@ class GenerationSettings(_Settings):
     prefill_step_size: int = Field(512, ge=1, le=INT32_MAX, description="context tokens per prefill chunk")
     # map_reduce answered more needles past the window than stream on nkv bench long (docs/long-documents.md).
     long_docs: LongDocs = Field("map_reduce", description="a document longer than the model's window: map_reduce "
-                                "(answer each part, keep the likeliest answer; summarize the parts' summaries), "
-                                "stream (read it whole, evicting while prefilling, its kept rows moved within the "
-                                "window), truncate (cut its middle) or refuse (a too_long row)")
+                                "(answer in each part, keep the answer of the part the question is likeliest "
+                                "under; summarize the parts' summaries), stream (read it whole, evicting while "
+                                "prefilling, its kept rows moved within the window), truncate (cut its middle) "
+                                "or refuse (a too_long row)")
     # 2**20 tokens read in about 2 hours streamed on a 2-core CPU; the tokenizer's memory grows with the text
     # (7.5 GB for 50 MB), so a text is measured in characters before it is tokenized.
     max_doc_tokens: int = Field(MAX_DOC_TOKENS, ge=1, le=INT32_MAX, json_schema_extra=HASHED_WHEN_SET,

