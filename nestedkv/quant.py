@@ -1,5 +1,5 @@
-"""How kept KV rows are quantized, as one value: bits, group size and rotation, with their parse, checks,
-labels and the rule of which of them a configuration's hash covers.
+"""How kept KV rows are quantized, as one value: bits, group size and rotation, with their parse, checks and
+labels (which of them a configuration's hash covers: ``nestedkv.compat``).
 
 A new quantization setting is one field here (and one store column); every consumer reads it through
 ``KVQuant``, so two settings can never be separated on the way from the CLI to the report.
@@ -68,14 +68,6 @@ class KVQuant:
     @property
     def quantized(self) -> bool:
         return self.bits is not None
-
-    def unhashed(self) -> set[str]:
-        """The field names a configuration's hash leaves out, so that hashes made before a setting existed
-        stay valid: all of them unquantized, and the rotation when it is off (quantized keys were stored
-        unrotated before the rotation existed)."""
-        if not self.quantized:
-            return set(FIELD_NAMES.values())
-        return set() if self.hadamard else {"kv_hadamard"}
 
     def label(self, unit: str = "-bit") -> str:
         """The reports' suffix: " 4-bit", " 4-bit g32 plain"; none for the model's own dtype."""

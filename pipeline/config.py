@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 import nestedkv  # the presses load mlx: reached through the package's lazy names, after the CPU opt-in
+from nestedkv import compat
 from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
 
 Task = Literal["summarize", "qa"]
@@ -204,12 +205,10 @@ class RunConfig(GenerationSettings, PressSettings):
         return copy
 
     def canonical_json(self) -> str:
-        # Unquantized runs hash as they did before the kv fields existed, so stores made then still resume.
-        new = {n for n, f in type(self).model_fields.items()
-               if (f.json_schema_extra or {}).get("hashed_when_set") and getattr(self, n) == f.default}
-        # Keys quantized unrotated hash as they did before the rotation existed.
-        kv = self.kv_quant.unhashed()
-        dump = self.model_dump(exclude=new | kv | {"long_docs"})
+        # Settings added since runs were stored hash as before while at their old values (nestedkv.compat).
+        before = {**compat.BEFORE, **{n: f.default for n, f in type(self).model_fields.items()
+                                      if (f.json_schema_extra or {}).get("hashed_when_set")}}
+        dump = compat.stored(self.model_dump(exclude={"long_docs"}), before)
         # Runs stored before long_docs existed said truncate true/false: false refused what the default reads
         # now, and those documents were never done, so the default hashes as false did and loses nothing.
         dump["truncate"] = self.long_docs == "truncate"

@@ -6,6 +6,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from nestedkv import compat
 from nestedkv.press import NestedKVPress
 from nestedkv.quant import KVQuant
 from pipeline.config import RunConfig, parse_kv_bits
@@ -38,7 +39,16 @@ def test_press_config_and_row_carry_the_same_value():
     assert NestedKVPress(kv_bits=8).kv_quant == KVQuant(8)
     assert (q.label(), KVQuant(8).label(), KVQuant().label()) == (" 4-bit g32 plain", " 8-bit", "")
     assert cfg.label().endswith("kv4/g32/plain")
-    assert q.unhashed() == {"kv_hadamard"} and KVQuant(4).unhashed() == set()
+
+
+@pytest.mark.parametrize("quant,left_out", [(KVQuant(), {"kv_bits", "kv_group_size", "kv_hadamard"}),
+                                            (KVQuant(4, 32, False), {"kv_hadamard"}), (KVQuant(8), set())])
+def test_a_stored_press_leaves_out_what_did_not_exist_yet_and_reads_back_the_same(quant, left_out):
+    press = NestedKVPress(unrotate=False, **quant.as_fields())
+    stored = json.loads(press.to_json())
+    assert {"unrotate", *quant.as_fields()} - set(stored) == {"unrotate"} | left_out
+    assert NestedKVPress.from_json(press.to_json()) == press
+    assert compat.left_out(RunConfig(**quant.as_fields()).model_dump()) == left_out
 
 
 def test_store_columns_hold_the_rotation_and_old_stores_get_them_from_config_json(tmp_path):

@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
-from nestedkv import rope, scoring
+from nestedkv import compat, rope, scoring
 from nestedkv.quant import KV_BITS, KV_GROUP_SIZES, KVQuant, check_kv_bits  # noqa: F401 (re-exported)
 from nestedkv.selection import (
     N_SINK,
@@ -174,29 +174,19 @@ class BasePress:
         return {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in params.items()}
 
     def hashed_params(self, given: dict) -> dict:
-        """The parameters ``given`` for this press, as a run's hash sees them: ``unrotate`` as runs stored
-        before its default changed wrote it (absent when off, true when on), so a run that computes what a
-        stored one computed keeps that run's hash."""
-        params = {k: v for k, v in given.items() if k != "unrotate"}
-        return {**params, "unrotate": True} if self.unrotate else params
+        """The parameters ``given`` for this press, as a run's hash sees them: ``unrotate`` resolved (its
+        default changed since runs were stored), so a run that computes what a stored one computed keeps that
+        run's hash."""
+        return compat.stored({**given, "unrotate": self.unrotate})
 
     def to_json(self) -> str:
-        params = asdict(self)
-        # Fields added after runs were stored leave the JSON (and run hashes) as it was while unused.
-        if not self.unrotate:
-            del params["unrotate"]
-        for name in self.kv_quant.unhashed():
-            del params[name]
-        return json.dumps({"press": self.name, **params}, sort_keys=True)
+        return json.dumps({"press": self.name, **compat.stored(asdict(self))}, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "BasePress":
         params = json.loads(text)
         name = params.pop("press")
-        params.setdefault("unrotate", False)  # stored before the parameter existed: post-RoPE scoring
-        if "kv_bits" in params:
-            params.setdefault("kv_hadamard", False)  # likewise: keys quantized unrotated
-        return get_press(name, **params)
+        return get_press(name, **compat.filled_in(params))
 
 
 def get_press(name: str, **params) -> BasePress:

@@ -18,7 +18,7 @@ RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'"}
 # Columns added after runs were stored, as their values follow from a run's config_json (``{r}``: the
 # runs table's alias): what a migration fills in, and what a read-only open of an unmigrated store reads.
-# The hash leaves the settings out at their defaults (KVQuant.unhashed), hence the defaults here.
+# The hash leaves the settings out at their old values (nestedkv.compat), hence the defaults here.
 DERIVED = {
     "kv_group_size": "coalesce(TRY_CAST(json_extract_string({r}config_json, '$.kv_group_size') AS INTEGER), 64)",
     "kv_hadamard": "({r}kv_bits IS NULL OR coalesce(json_extract_string({r}config_json, '$.kv_hadamard') = 'true', "
