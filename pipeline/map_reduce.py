@@ -19,7 +19,7 @@ from typing import Optional
 from pipeline.documents import Document
 from pipeline.evaluate import gold_nll
 from pipeline.prompts import encode
-from pipeline.results import OK, TOO_LONG, DocumentResult
+from pipeline.results import OK, TOO_LONG, DocumentResult, QuestionResult
 
 JOIN = "\n\n"
 
@@ -50,8 +50,24 @@ def split(runner, doc: Document, room: int) -> list[Document]:
 
 def run(runner, prepared, res: DocumentResult, press, on_prefill=None) -> DocumentResult:
     """Answer from every part (compressed by ``press``), then choose or reduce into ``res``."""
+    picks = answers_by_part(runner, prepared, res, press, on_prefill)
+    if runner.config.task == "summarize":
+        return _reduce(runner, res, [q.output for _, q in picks[0]], press, on_prefill)
+    for q, answers in zip(res.questions, picks):
+        if q.status == TOO_LONG or not answers:
+            continue
+        best = pick(answers)
+        q.output, q.n_generated, q.logprob = best.output, best.n_generated, best.logprob
+        q.decode_s = sum(a.decode_s for _, a in answers)
+    return res
+
+
+def answers_by_part(runner, prepared, res: DocumentResult, press, on_prefill=None) -> list[list[tuple]]:
+    """For each question, ``(question NLL, answer)`` of every part that answered it; the parts' costs are
+    added to ``res``."""
     picks: list[list] = [[] for _ in res.questions]
     total, done = sum(len(p.context_ids) for p in prepared.parts), 0
+    qa = runner.config.task != "summarize"
     for part in prepared.parts:
         got = copy.deepcopy(res)
         # progress over the whole document (every part's tokens), not one part at a time
@@ -59,22 +75,19 @@ def run(runner, prepared, res: DocumentResult, press, on_prefill=None) -> Docume
         done += len(part.context_ids)
         cache = runner.prefill(part, got, press=press, on_prefill=seen)
         runner.compress(cache, got, part.context_ids)
-        fits = [question_nll(runner, cache, ids) for _, ids, _ in part.questions]
+        fits = [question_nll(runner, cache, ids) if qa else (0.0, 0.0) for _, ids, _ in part.questions]
         runner.answer_all(cache, part, got)
         _add_costs(res, got)
         for k, q in enumerate(got.questions):
             if q.status == OK:
                 q.decode_s += fits[k][1]
                 picks[k].append((fits[k][0], q))
-    if runner.config.task == "summarize":
-        return _reduce(runner, res, [q.output for _, q in picks[0]], press, on_prefill)
-    for q, answers in zip(res.questions, picks):
-        if q.status == TOO_LONG or not answers:
-            continue
-        _, best = min(answers, key=lambda a: (a[0], -a[1].logprob))
-        q.output, q.n_generated, q.logprob = best.output, best.n_generated, best.logprob
-        q.decode_s = sum(a.decode_s for _, a in answers)
-    return res
+    return picks
+
+
+def pick(answers: list[tuple]) -> QuestionResult:
+    """The answer of the part the question is likeliest under; the answer's own likelihood breaks ties."""
+    return min(answers, key=lambda a: (a[0], -a[1].logprob))[1]
 
 
 def question_nll(runner, cache, question_ids: list[int]) -> tuple[float, float]:

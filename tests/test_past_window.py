@@ -275,6 +275,9 @@ def test_bench_long_compares_every_way_with_gold_nll(monkeypatch):
     assert len({r["questions"] for r in ways.values()}) == 1 and ways["middle cut"]["questions"] > 0, ways
     assert all(math.isfinite(ways[w]["gold_nll"]) and ways[w]["gold_nll"] > 0 for w in ("middle cut", "stream keydiff"))
     assert ways["stream keydiff"]["peak_kv_mib"] < ways["middle cut"]["peak_kv_mib"]
+    assert 0 <= ways["map-reduce"]["recall_by_answer"] <= 1 and "recall_by_answer" not in ways["middle cut"]
+    by_answer = [r["recall_by_answer"] for r in out["rows"] if r["way"] == "map-reduce"]
+    assert len(by_answer[0]) == ways["map-reduce"]["questions"]  # one per question answered in some part
 
 
 @pytest.mark.e2e
