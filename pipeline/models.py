@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -306,7 +307,7 @@ def _load_dir(location: str, ref: str):
     import mlx_lm
 
     try:
-        return mlx_lm.load(location)
+        model, tokenizer = mlx_lm.load(location)
     except ModelLoadError:
         raise
     except Exception as e:
@@ -320,6 +321,11 @@ def _load_dir(location: str, ref: str):
                 "at a local copy instead: an mlx-lm directory (config.json + *.safetensors) or a .gguf file"
             ) from e
         raise ModelLoadError(f"could not load model {ref!r} from {location}: {type(e).__name__}: {e}") from e
+    # The runner fits documents to the window itself; transformers would call every long text an error.
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if getattr(hf, "model_max_length", None) is not None:
+        hf.model_max_length = sys.maxsize
+    return model, tokenizer
 
 
 def _warn_slow_blas() -> None:

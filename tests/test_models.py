@@ -374,6 +374,16 @@ def test_dtype_override_and_local_dir(smollm):
 
 
 @pytest.mark.e2e
+def test_a_text_longer_than_the_window_tokenizes_without_transformers_calling_it_an_error(smollm, capfd, caplog):
+    from pipeline.prompts import encode
+
+    window = model_info(smollm["model"])["max_position_embeddings"]
+    assert len(encode(smollm["tokenizer"], "word " * (window + 100))) > window
+    said = capfd.readouterr().err + caplog.text
+    assert "longer than the specified maximum" not in said and "indexing errors" not in said
+
+
+@pytest.mark.e2e
 def test_greedy_answer_mentions_paris(smollm):
     from mlx_lm import generate
 
