@@ -675,3 +675,29 @@ def test_sliding_layers_count_in_the_saved_share(db):
     assert m["saved_share"] == pytest.approx(1 - (kept + full) / (2 * full))  # 0.375, not 0.75
     kinds = db.query("SELECT layer, kind FROM layer_savings ORDER BY layer").to_pylist()
     assert [x["kind"] for x in kinds] == ["full", "sliding"]
+
+
+def test_a_lake_catalog_locked_mid_commit_is_waited_for_not_called_foreign():
+    # A reader opening a lake while writers commit saw "database is locked" in the schema check, and it was
+    # reported as a store that is not ours (test_lake's concurrent writers, once in CI).
+    import duckdb
+
+    from pipeline.store import lake, schema
+
+    class Failing:
+        def __init__(self, error):
+            self.error = error
+
+        def execute(self, sql):
+            if sql.startswith("SELECT max(version) FROM schema_version"):
+                raise duckdb.Error(self.error)
+            return self
+
+        def fetchall(self):
+            return [("schema_version",)]
+
+    with pytest.raises(duckdb.Error, match="locked") as got:
+        schema.check(Failing("IO Error: database is locked"), "x")
+    assert lake.is_locked(got.value)  # what lake.retry_locked waits on
+    with pytest.raises(StoreError, match="not ours"):
+        schema.check(Failing('Binder Error: column "version" not found'), "x")

@@ -7,6 +7,7 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.store.errors import StoreError
+from pipeline.store.lake import is_locked
 from pipeline.store.views import VIEWS
 
 # Version 2 added runs.prefill/host/pid/pid_started_at and the peak KV columns; older stores are migrated
@@ -106,7 +107,9 @@ def check(con: duckdb.DuckDBPyConnection, path) -> None:
     if "schema_version" in names:
         try:
             found = q("SELECT max(version) FROM schema_version")[0][0]
-        except duckdb.Error:
+        except duckdb.Error as e:
+            if is_locked(e):  # a lake's catalog mid-commit: the caller's retry waits for it
+                raise
             raise StoreError(f"{path}: not a nestedkv store (its schema_version table is not ours); "
                              "refusing to use it") from None
     if found is None and names - {"schema_version"}:
