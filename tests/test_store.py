@@ -4,13 +4,14 @@ import subprocess
 import sys
 import textwrap
 
+import duckdb
 import pytest
 
 import pipeline.store as store_mod
 from nestedkv.accounting import LayerMemory
 from pipeline.config import RunConfig
 from pipeline.results import ERROR, OK, DocumentResult, QuestionResult
-from pipeline.store import VIEWS, Store, StoreError
+from pipeline.store import VIEWS, Store, StoreError, lake, schema
 
 MIB = 1024 * 1024
 
@@ -680,10 +681,6 @@ def test_sliding_layers_count_in_the_saved_share(db):
 def test_a_lake_catalog_locked_mid_commit_is_waited_for_not_called_foreign():
     # A reader opening a lake while writers commit saw "database is locked" in the schema check, and it was
     # reported as a store that is not ours (test_lake's concurrent writers, once in CI).
-    import duckdb
-
-    from pipeline.store import lake, schema
-
     class Failing:
         def __init__(self, error):
             self.error = error
