@@ -18,7 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import pyarrow.parquet as pq
+
 from pipeline.config import RunConfig
+from pipeline.engine import EngineOptions, Hooks, run
+from pipeline.store import Store
 from pipeline.suite.variants import VARIANTS, check_variants, variant_configs
 from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_L, TOP1
 
@@ -40,9 +44,6 @@ def ablate(
 
     An evaluation through the engine (one prefill per document, batched decode, the ``gold_kept`` hook);
     the rows land in ``db`` (a temporary store when None)."""
-    from pipeline.engine import EngineOptions, Hooks, run
-    from pipeline.store import Store
-
     names = variants or list(VARIANTS)
     check_variants(names)
     base = RunConfig(task="qa", model=model, press="no_press", compression_ratio=0.0,
@@ -78,8 +79,6 @@ def ablate(
 
 def _first(input: str, limit: int, folder: Path) -> str:
     """The first ``limit`` rows of ``input`` as a Parquet file of their own."""
-    import pyarrow.parquet as pq
-
     path = folder / "first.parquet"
     pq.write_table(pq.read_table(input).slice(0, limit), path)
     return str(path)

@@ -3,7 +3,8 @@
     nkv bench kernels [--model smollm2-135m] [--context 4096] [--new-tokens 32] [--out FILE.json]
 
 ``run`` takes an mlx-lm directory (nestedkv never imports pipeline, so it takes no model names; the CLI
-resolves them). It loads mlx: the caller enables the CPU fast path first (``nkv`` does).
+resolves them). It loads mlx when imported: the process opts in to the CPU fast path first (importing ``flows``
+does, as ``nkv`` does).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+from unittest import mock
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.utils import dequantize_model, load_model
 
-from nestedkv import KeyDiffPress, NestedKVPress, NoPress, clone, compress, layer_stats, make_cache
+from nestedkv import KeyDiffPress, NestedKVPress, NoPress, _cpu, attention, clone, compress, layer_stats, make_cache
 from nestedkv._platform import AVX2, AVX512, blas_info, cpu_cores, read_cpuinfo
 
 SIZES = (2048, 8192, 32768)
@@ -130,8 +134,6 @@ def to_fp32_on_cpu(model) -> bool:
     """On CPU, fp16/bf16/quantized matmuls are slow: run in fp32 there. Returns True if changed."""
     if mx.default_device() != mx.cpu:
         return False
-    from mlx_lm.utils import dequantize_model
-
     quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
     if quantized:
         dequantize_model(model)
@@ -149,12 +151,8 @@ def _has_tokenizer(path: Path) -> bool:
 def load_model_dir(path: Path, random_tokens: bool):
     """(model, tokenizer or None). Without a tokenizer (or with --random-tokens) only weights load."""
     if random_tokens or not _has_tokenizer(path):
-        from mlx_lm.utils import load_model
-
         model, _ = load_model(path)
         return model, None
-    from mlx_lm import load
-
     return load(str(path))
 
 
@@ -190,10 +188,6 @@ def prefill_profile(model, toks, chunk: int) -> dict:
     """Prefill seconds with the attention's long chunks in NumPy blocks (the CPU fast path's), in mlx blocks
     (before them), and with no attention at all (the queries returned: the rest of the model's work). Only
     with the CPU fast path on the CPU; elsewhere the three are one path and this is empty."""
-    from unittest import mock
-
-    from nestedkv import _cpu, attention
-
     if not _cpu.fast():
         return {}
 

@@ -17,9 +17,20 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import mlx.core as mx
+
+import nestedkv
+from nestedkv.press import get_press
+from pipeline import models  # models.load_model looked up at each call: tests stand a tiny model in for it
 from pipeline.config import RunConfig
 from pipeline.documents import Document
+from pipeline.evaluate import gold_nll
+from pipeline.model_shape import model_info
+from pipeline.prompts import encode
+from pipeline.runner import Runner, prefill
 from pipeline.suite.scores import recall
+from pipeline.tasks.build import generate, token_counter
+from pipeline.tasks.text import haystack
 
 Log = Callable[[str], None]
 
@@ -39,12 +50,7 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one).
     ``max_new_tokens``: the suite's 32, since a small model restates the question before the needle's value."""
-    from pipeline.models import load_model
-    from pipeline.model_shape import model_info
-    from pipeline.runner import Runner
-    from pipeline.tasks.build import generate, token_counter
-
-    model, tokenizer = load_model(model_ref)
+    model, tokenizer = models.load_model(model_ref)
     window = window or model_info(model).get("max_position_embeddings")
     docs = generate(token_counter(tokenizer), lengths, per_length, seed, tasks=["niah_middle"],
                     austen=Path(austen) if austen else None)
@@ -85,9 +91,6 @@ def summary_row(d: dict, label: str, res, wall: float) -> dict:
 def gold_nlls(runner, golds: Sequence[str]) -> tuple[dict[int, list[float]], dict[int, list]]:
     """Question -> the gold answer's NLL per token under each cache ``runner`` answers it from, and question
     -> the answers given there (filled as it runs: one cache, or one per part)."""
-    from pipeline.evaluate import gold_nll
-    from pipeline.prompts import encode
-
     seen: dict[int, list[float]] = {}
     answers: dict[int, list] = {}
     answer_all = runner.answer_all
@@ -132,17 +135,7 @@ def rates(model_ref: str, lengths: Sequence[int], budget: int = 1024, press: str
           austen: Optional[str] = None, log: Log = print) -> list[dict]:
     """Streaming prefill tokens/s and peak KV bytes of ``press`` keeping ``budget`` rows per head, at each
     length (the window's positions as a 64-token question and 16-token answer would leave them)."""
-    import mlx.core as mx
-
-    import nestedkv
-    from nestedkv.press import get_press
-    from pipeline.models import load_model
-    from pipeline.model_shape import model_info
-    from pipeline.prompts import encode
-    from pipeline.runner import prefill
-    from pipeline.tasks.text import haystack
-
-    model, tokenizer = load_model(model_ref)
+    model, tokenizer = models.load_model(model_ref)
     window = model_info(model).get("max_position_embeddings")
     text = " ".join(s.text for s in haystack(Path(austen) if austen else None))
     base = encode(tokenizer, text)

@@ -16,17 +16,22 @@ import json
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import pyarrow.parquet as pq
+from matplotlib.figure import Figure
+
 import nestedkv
+from pipeline.config import RunConfig
+from pipeline.engine import make_runner
+from pipeline.prompts import encode
+from pipeline.results import DocumentResult, QuestionResult
+from pipeline.window import PreparedDocument
 
 MIB = 2**20
 
 
 def _text_ids(tokenizer, n: int) -> list[int]:
     """``n`` token ids of real text: the bundled novels' chapters, one after another."""
-    import pyarrow.parquet as pq
-
-    from pipeline.prompts import encode
-
     root = Path(__file__).resolve().parents[1] / "data"
     texts = pq.read_table(root / "eval_set.parquet", columns=["text"])["text"].to_pylist()
     texts += pq.read_table(root / "sample_batch.parquet", columns=["text"])["text"].to_pylist()
@@ -40,15 +45,6 @@ def _text_ids(tokenizer, n: int) -> list[int]:
 
 def measure(model_ref: str, lengths: list[int], budget: int, ratio: float, chunk: int, new_tokens: int,
             log=print) -> list[dict]:
-    import mlx.core as mx
-
-    import nestedkv
-    from pipeline.config import RunConfig
-    from pipeline.engine import make_runner
-    from pipeline.results import DocumentResult, QuestionResult
-    from pipeline.window import PreparedDocument
-    from pipeline.prompts import encode
-
     config = RunConfig(task="summarize", model=model_ref, prefill_step_size=chunk, max_new_tokens=new_tokens,
                        repetition_penalty=1.0)
     runner = make_runner(config)
@@ -119,12 +115,8 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))  # no pyplot: no global backend state, renders with Agg
+    a, b = fig.subplots(1, 2)
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
         a.plot([r["tokens"] for r in rs], [r["peak_kv_prefill_mib"] for r in rs], marker="o", label=mode)
@@ -136,7 +128,6 @@ def plot(rows: list[dict], path: Path) -> None:
     a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(model: str, lengths: list[int], budget: int, ratio: float, chunk: int, new_tokens: int,

@@ -20,6 +20,7 @@ compression, question and decode): one method, and the five-configuration sweep.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,9 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import mlx.core as mx
 import numpy as np
 
-from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, REFERENCE_PRESS
+from bench.peer_export import export_fp32
+from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, REFERENCE_PRESS, RunConfig
+from pipeline.documents import load_documents
+from pipeline.engine import compute, make_runner
+from pipeline.evaluate import contains_gold, exact_match
+from pipeline.prompts import question_text
 
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
 DEFAULT_EXPORT = ".peer"
@@ -123,8 +130,6 @@ def peer_config(m: Method, ratio: float) -> dict:
 
 # -- our side ---------------------------------------------------------------------------------------
 def our_configs(model: str, ratio: float, max_new_tokens: int, methods: Sequence[Method] = METHODS) -> list:
-    from pipeline.config import RunConfig
-
     out = []
     for m in methods:
         if m.press == REFERENCE_PRESS:
@@ -139,8 +144,6 @@ def our_configs(model: str, ratio: float, max_new_tokens: int, methods: Sequence
 
 def run_ours(runner, docs, configs, methods: Sequence[Method] = METHODS) -> dict:
     """label -> one record per document (the shape ``summarize`` reads)."""
-    from pipeline.engine import compute
-
     out: dict = {m.label: [] for m in methods}
     for doc in docs:
         outcomes = compute(runner, doc, configs)
@@ -170,17 +173,13 @@ def peer_records(response: dict, methods: Sequence[Method] = METHODS) -> dict:
 
 def peak_rss() -> int:
     """Peak resident bytes of this process, measured as the worker measures its own."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("nkv_peer_worker", WORKER)
     worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)  # standard library only at import time
+    spec.loader.exec_module(worker)  # standard library and numpy only at import time
     return worker.peak_rss()
 
 
 def probe_logits(model, ids: list) -> np.ndarray:
-    import mlx.core as mx
-
     logits = model(mx.array(ids, dtype=mx.int32)[None])[0].astype(mx.float32)
     mx.eval(logits)
     return np.array(logits)
@@ -220,8 +219,6 @@ def side_figures(records: dict, one_method: str, shared_prefill: bool) -> dict:
 def summarize(ours: dict, peer: dict, golds: list, one_method: str = "keydiff") -> dict:
     """Accuracy per method on both sides, per-question agreement, KV bytes and throughput.
     ``golds``: per document, the gold answer of each question."""
-    from pipeline.evaluate import contains_gold, exact_match
-
     rows = []
     ref_ours = sum(d["kv_resident_bytes"] for d in ours[REFERENCE_PRESS])
     ref_peer = sum(d["kv_resident_bytes"] for d in peer[REFERENCE_PRESS])
@@ -296,11 +293,6 @@ def setup_hint(python: str) -> str:
 
 
 def measure(a) -> dict:
-    from pipeline.documents import load_documents
-    from pipeline.engine import make_runner
-    from bench.peer_export import export_fp32
-    from pipeline.prompts import question_text
-
     if not Path(a.peer_python).is_file():
         raise Refusal(setup_hint(a.peer_python))
     load_start = os.getloadavg()

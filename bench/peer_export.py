@@ -13,6 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from pipeline import models  # models.load_model, models.model_dir looked up at each call: tests stand in for them
+
 MARKER = "nkv-peer-export.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "generation_config.json", "vocab.json", "merges.txt")
@@ -30,18 +35,13 @@ def hf_config(config: dict) -> dict:
 
 def export_fp32(ref: str, out: str | Path, *, force: bool = False) -> Path:
     """Export ``ref`` (any model reference) into ``out`` once; a matching earlier export is reused."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from pipeline.models import load_model, model_dir
-
-    src = Path(model_dir(ref))
+    src = Path(models.model_dir(ref))
     out = Path(out)
     stamp = {"source": str(src), "format": _FORMAT}
     marker = out / MARKER
     if not force and marker.is_file() and json.loads(marker.read_text()) == stamp:
         return out
-    model, _ = load_model(ref, dtype="float32")
+    model, _ = models.load_model(ref, dtype="float32")
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
     config = hf_config(json.loads((src / "config.json").read_text()))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 
 def _versions() -> dict:
     out = {"python": platform.python_version()}
@@ -48,6 +50,8 @@ def peak_rss() -> int:
 
 
 def load(model_dir: str, threads: int):
+    # torch, transformers and kvpress inside functions: the kvpress venv's (not installed beside mlx), and the
+    # main venv runs this file too (bench.peer.peak_rss)
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -64,7 +68,7 @@ def load(model_dir: str, threads: int):
 def make_press(spec: dict):
     """A kvpress press from ``{"press": class name, "compression_ratio": r, "adaptive": bool, "kwargs": {}}``;
     None for no compression."""
-    import kvpress
+    import kvpress  # the kvpress venv's (not installed beside mlx)
 
     if spec["press"] is None:
         return None
@@ -73,8 +77,7 @@ def make_press(spec: dict):
 
 
 def probe(req: dict) -> dict:
-    import numpy as np
-    import torch
+    import torch  # the kvpress venv's (not installed beside mlx)
 
     model, _ = load(req["model_dir"], req["threads"])
     with torch.inference_mode():
@@ -89,7 +92,7 @@ def kv_bytes(cache) -> int:
 
 def answer(model, tokenizer, cache, question_ids: list, context_len: int, max_new: int, eos: set) -> tuple[str, int]:
     """Greedy answer after the compressed context, stopping before an end token; (text, tokens generated)."""
-    import torch
+    import torch  # the kvpress venv's (not installed beside mlx)
 
     ids = torch.tensor([question_ids])
     pos = torch.arange(context_len, context_len + len(question_ids))[None]
@@ -109,7 +112,7 @@ def answer(model, tokenizer, cache, question_ids: list, context_len: int, max_ne
 
 def prompt_check(model, tokenizer, context: str, questions: list, context_ids: list, questions_ids: list) -> bool:
     """Whether kvpress's own pipeline turns (context, questions) into exactly our token ids."""
-    from transformers import pipeline
+    from transformers import pipeline  # the kvpress venv's (not installed beside mlx)
 
     import kvpress  # noqa: F401  (registers the pipeline task)
 
@@ -120,8 +123,8 @@ def prompt_check(model, tokenizer, context: str, questions: list, context_ids: l
 
 
 def bench(req: dict) -> dict:
-    import torch
-    from transformers import DynamicCache
+    import torch  # the kvpress venv's (not installed beside mlx)
+    from transformers import DynamicCache  # the kvpress venv's (not installed beside mlx)
 
     t_load = time.perf_counter()
     model, tokenizer = load(req["model_dir"], req["threads"])

@@ -23,15 +23,22 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+import nestedkv
 from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL, EVAL_INPUT, RunConfig
+from pipeline.documents import load_documents
+from pipeline.engine import make_runner
+from pipeline.prompts import encode
+from pipeline.results import DocumentResult
+from pipeline.runner import prefill
 
 CONTINUATION = 128  # tokens scored per document by the error figure
 
 
 def _tokens(runner, cache, ids: list[int]) -> list[int]:
-    from mlx_lm.generate import generate_step
-    import mlx.core as mx
-
     out = []
     for token, _ in generate_step(mx.array(ids, dtype=mx.int32), runner.model, max_tokens=runner.config.max_new_tokens,
                                   prompt_cache=cache, prefill_step_size=runner.config.prefill_step_size):
@@ -44,12 +51,6 @@ def _tokens(runner, cache, ids: list[int]) -> list[int]:
 def compare_with_mlx_lm(runner, docs, hadamard: bool = False) -> dict:
     """Our 8-bit r = 0 answers against mlx-lm's QuantizedKVCache, question by question (``hadamard``: ours with
     rotated keys, which mlx-lm does not have)."""
-    from mlx_lm.models.cache import KVCache
-
-    import nestedkv
-    from pipeline.runner import prefill
-    from pipeline.results import DocumentResult
-
     equal, differ = 0, []
     for doc in docs:
         prepared = runner.prepare(doc)
@@ -76,11 +77,6 @@ def compare_with_mlx_lm(runner, docs, hadamard: bool = False) -> dict:
 
 def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
     """Compress time and decode tokens/s per (ratio, bits), from one uncompressed prefill per document."""
-    import mlx.core as mx
-
-    import nestedkv
-    from pipeline.results import DocumentResult
-
     rows: dict[tuple, dict] = {}
     for doc in docs:
         prepared = runner.prepare(doc)
@@ -119,12 +115,6 @@ def decode_speed(runner, docs, n_tokens: int) -> list[dict]:
 
 def quantization_error(runner, docs) -> list[dict]:
     """Mean increase of the continuation's NLL per token, per (bits, group size, rotation), over the 16-bit cache."""
-    import mlx.core as mx
-
-    import nestedkv
-    from pipeline.prompts import encode
-    from pipeline.runner import prefill
-
     variants = [(bits, 64, rotate) for bits in (8, 4) for rotate in (False, True)]
     sums = {v: 0.0 for v in variants}
     n_docs = 0
@@ -158,9 +148,6 @@ def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
     """The three parts (``docs``, ``speed_docs`` or ``error_docs`` 0: that part skipped), each figure through
     ``log`` as it comes (and all of them to ``out`` as JSON)."""
-    from pipeline.documents import load_documents
-    from pipeline.engine import make_runner
-
     runner = make_runner(RunConfig(task="qa", model=model, max_new_tokens=max_new_tokens))
     loaded, _ = load_documents(input)
     figures = {"input": input, "model": model, "max_new_tokens": max_new_tokens}

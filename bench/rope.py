@@ -16,7 +16,12 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from nestedkv import scoring
+from nestedkv import NoPress, make_cache, scoring
+from nestedkv.rope import model_unrope
+from pipeline import models  # models.load_model looked up at each call: tests stand a tiny model in for it
+from pipeline.prompts import encode
+from pipeline.runner import prefill
+from pipeline.tasks import summary_documents, token_counter
 
 SCALES = ("stable", "block", "window")
 
@@ -74,16 +79,9 @@ def summarize(layers: list[dict]) -> dict:
 
 def run(model_ref: str, context: int, step: int = 512, seed: int = 0, log=print) -> dict:
     """Prefill ``context`` tokens of the bundled novels' prose and measure every layer."""
-    from nestedkv import NoPress, make_cache
-    from nestedkv.rope import model_unrope
-    from pipeline.models import load_model
-    from pipeline.prompts import encode
-    from pipeline.runner import prefill
-    from pipeline.tasks import summary_documents, token_counter
-
     if context <= scoring.WINDOW:
         raise ValueError(f"--context must be more than {scoring.WINDOW} tokens, got {context}")
-    model, tok = load_model(model_ref)
+    model, tok = models.load_model(model_ref)
     unrope = model_unrope(model)
     if unrope is None:
         raise ValueError(f"model {model_ref!r} has no rope module to undo")

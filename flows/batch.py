@@ -16,7 +16,6 @@ from prefect.context import TaskRunContext
 from prefect.states import Failed
 from prefect.utilities.annotations import quote
 
-import nestedkv
 from flows import artifacts
 from pipeline import engine
 from flows.params import ONE, SWEEP, hooks_parameter, keyword, spec_function
@@ -56,7 +55,6 @@ def documents_task(runner, store: Store, plan: engine.Plan, label: str, docs: li
 
 def run_flow(flow_name: str, spec: BatchSpec, hooks: Optional[Hooks]) -> Summary:
     """``spec`` through the engine, each document (or group decoded together) a task with retries."""
-    nestedkv.enable_cpu_fast_path()  # a worker's or server's flow run: before the model loads mlx
     log = get_run_logger()
     hooks = hooks or engine.NO_HOOKS
     options, input = spec.options, spec.input

@@ -15,17 +15,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from bench.overhead import timed as _timed
-from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL
+from flows.batch import FLOWS
+from pipeline import engine
+from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL, BatchOptions, RunConfig
+from pipeline.documents import load_documents
+from pipeline.engine import document, make_runner
+from pipeline.results import DocumentResult
 
 
 @contextmanager
 def _noop_runner():
     """Each document's work returns empty ok results at once (no prefill, no decode): what remains is
     orchestration and the store."""
-    from pipeline.engine import document
-    from pipeline.results import DocumentResult
-
     real = document.Work.start
 
     def start(work):
@@ -42,11 +47,6 @@ def _noop_runner():
 
 def _replicated(input: str, copies: int, workdir: Path) -> str:
     """The input's documents ``copies`` times under new ids and hashes: enough tasks to see a per-task cost."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipeline.documents import load_documents
-
     docs, _ = load_documents(input)
     rows = [{"doc_id": f"{d.doc_id}-{j}", "text": f"copy {j}\n{d.text}"} for j in range(copies) for d in docs]
     path = workdir / "replicated.parquet"
@@ -56,11 +56,6 @@ def _replicated(input: str, copies: int, workdir: Path) -> str:
 
 def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: Path,
             with_model: bool = True) -> dict:
-    from flows.batch import FLOWS
-    from pipeline.config import BatchOptions, RunConfig
-    from pipeline.engine import make_runner, run
-    from pipeline.documents import load_documents
-
     docs, _ = load_documents(input)
     n = len(docs)
     config = RunConfig(model=model, max_new_tokens=max_new_tokens)
@@ -71,7 +66,7 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
         return str(workdir / f"bench-{next(counter)}.duckdb")
 
     def direct(db=None):
-        return _timed(lambda: run(input, [config], db or fresh_db()))[0]
+        return _timed(lambda: engine.run(input, [config], db or fresh_db()))[0]
 
     def flow(db=None):
         return _timed(lambda: FLOWS["summarize"](input=input, model=model, db=db or fresh_db(), options=options))[0]
@@ -87,7 +82,7 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
         many = _replicated(input, 20, workdir)
         n_many = 20 * n
         t_many = min(_timed(lambda: FLOWS["summarize"](input=many, model=model, db=fresh_db(), options=options))[0]
-                     - _timed(lambda: run(many, [config], fresh_db()))[0] for _ in range(repeats))
+                     - _timed(lambda: engine.run(many, [config], fresh_db()))[0] for _ in range(repeats))
     real_direct, real_flow = [], []
     for _ in range(repeats if with_model else 0):  # interleaved, so load drift hits both alike
         real_direct.append(direct())

@@ -11,6 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import httpx
+from prefect import deploy, serve
+from prefect.deployments.runner import EntrypointType
+from prefect.settings import get_current_settings
+
 from flows.batch import FLOWS
 from flows.params import ONE
 from pipeline.spec import BatchSpec
@@ -33,9 +38,6 @@ def absolute(path: str) -> str:
 
 def check_server(timeout: float = 3.0, hint: Optional[str] = None) -> str:
     """The configured API URL, once it answers; ``ServerUnavailable`` (one line) otherwise."""
-    import httpx
-    from prefect.settings import get_current_settings
-
     url = get_current_settings().api.url
     hint = hint or f"start one with `prefect server start` and set PREFECT_API_URL={LOCAL_API}"
     if not url:
@@ -57,8 +59,6 @@ def batch_parameters(spec: BatchSpec) -> dict:
 
 
 def deployment(spec: BatchSpec, name: str, cron: Optional[str], flow=None, extra: Optional[dict] = None):
-    from prefect.deployments.runner import EntrypointType
-
     task = spec.task
     return (flow or FLOWS[task]).to_deployment(
         name=name,
@@ -76,8 +76,6 @@ def serve_batch(spec: BatchSpec, *, name: str = "nightly", cron: Optional[str] =
 
     One flow run at a time per serving process: each run loads the model and holds the DuckDB writer.
     """
-    from prefect import serve
-
     check_server()
     serve(deployment(spec, name, cron), limit=1)
 
@@ -86,8 +84,6 @@ def deploy_batch(spec: BatchSpec, *, pool: str, name: str = "nightly", cron: Opt
     """Register the deployment in a work pool (``prefect work-pool create <pool> --type process``) and return
     its id; workers started with ``prefect worker start --pool <pool> --limit 1`` (one per Mac, each with
     this package installed) run it. Each run writes to ``db`` on the machine that runs it."""
-    from prefect import deploy
-
     check_server()
     # ignore_warnings: Prefect suggests .serve for process pools; a pool is the point here (one worker per Mac).
     (deployment_id,) = deploy(deployment(spec, name, cron), work_pool_name=pool, build=False, push=False,

@@ -18,7 +18,10 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import prefect
+from prefect.logging.handlers import APILogHandler
 from prefect.server.api.server import SubprocessASGIServer
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 POLL_S = 0.5
 
@@ -27,8 +30,6 @@ POLL_S = 0.5
 def local_api() -> Iterator[None]:
     """Within the block, flows talk to the configured Prefect server or, when none is configured, to a
     temporary one tied to this process."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
-
     if get_current_settings().api.url:
         yield
         return
@@ -45,8 +46,6 @@ def local_api() -> Iterator[None]:
 
 
 def _flush_logs() -> None:
-    from prefect.logging.handlers import APILogHandler
-
     try:
         APILogHandler.flush(APILogHandler())
     except Exception:  # logs are a report: never fail the command over them
@@ -59,9 +58,6 @@ class OwnedServer(SubprocessASGIServer):
     _instances: dict = {}  # not shared with Prefect's own temporary servers
 
     def _run_uvicorn_command(self) -> subprocess.Popen:
-        import prefect
-        from prefect.settings import get_current_settings
-
         args = ["--app-dir", str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app",
                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, serve
 
 from flows import artifacts, deploy
 from flows.params import ONE, keyword, spec_function
@@ -54,8 +54,6 @@ def serve_sharded(spec: BatchSpec, *, pool: str, shards: Optional[int] = None, s
     """Serve ``sharded-batch/<name>`` on a cron schedule until interrupted: each run splits the batch and
     submits its shards to ``pool`` (``flows.shards``), where the workers load the model; this process
     only waits for them."""
-    from prefect import serve
-
     deploy.check_server()
     extra = {"task": spec.task, "pool": pool, "shards": shards, "shard_size": shard_size,
              "data_path": deploy.absolute(data_path) if data_path else None}

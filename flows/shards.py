@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import io
 import json
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -28,7 +29,13 @@ from uuid import UUID
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from prefect import get_client
+from prefect.deployments import run_deployment
+from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter, EventOccurredFilter
+from prefect.settings import get_current_settings
+from prefect.states import Crashed
 
+from flows.deploy import batch_parameters, check_server, deploy_batch
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, load_documents
 from pipeline.spec import BatchSpec
@@ -182,8 +189,6 @@ FINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
 def last_heartbeat(client, flow_run) -> Optional[datetime]:
     """The newest heartbeat event of a flow run (Prefect sends one every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
     seconds while it runs), or None."""
-    from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter, EventOccurredFilter
-
     since = (flow_run.start_time or datetime.now(timezone.utc)) - timedelta(minutes=1)
     try:
         page = client.read_events(EventFilter(
@@ -203,8 +208,6 @@ def stale(client, flow_run, store: Optional[Store], shard: Shard, stale_after_s:
     heartbeats may be off).
     """
     if store is not None and flow_run.start_time is not None:
-        import socket
-
         # Only runs this flow run started: an earlier attempt's dead run may still read 'running'. Another
         # writer on this host may already have marked ours 'interrupted' (its process was gone).
         since = (flow_run.start_time - timedelta(seconds=5)).astimezone(timezone.utc).replace(tzinfo=None)
@@ -222,8 +225,6 @@ def stale(client, flow_run, store: Optional[Store], shard: Shard, stale_after_s:
 
 def submit(client, shard: Shard, deployment: str, parameters: dict, log: Callable[[str], None]) -> None:
     """Find or create the shard's flow run: completed -> skipped; failed/crashed/cancelled -> next attempt."""
-    from prefect.deployments import run_deployment
-
     while shard.attempt < MAX_ATTEMPTS:
         fr = run_deployment(deployment, parameters={**parameters, "input": str(shard.path)}, timeout=0,
                             idempotency_key=shard.idempotency_key(), as_subflow=False,
@@ -241,8 +242,6 @@ def submit(client, shard: Shard, deployment: str, parameters: dict, log: Callabl
 
 def abandon(client, shard: Shard, why: str) -> None:
     """Mark a flow run whose process is gone as crashed, so its key is never waited on again."""
-    from prefect.states import Crashed
-
     client.set_flow_run_state(UUID(shard.flow_run_id), Crashed(message=f"nkv: {why}"), force=True)
 
 
@@ -257,11 +256,6 @@ def fan_out(spec: BatchSpec, pool: str, *, shards: Optional[int] = None,
     a shard whose flow run fails or crashes while we wait. ``stale_after_s``: a running flow run without a heartbeat for this long is taken as gone (default:
     3 heartbeat periods).
     """
-    from prefect import get_client
-    from prefect.settings import get_current_settings
-
-    from flows.deploy import batch_parameters, check_server, deploy_batch
-
     input, db, config = spec.input, spec.db, spec.config()
     start = time.monotonic()
     check_server()

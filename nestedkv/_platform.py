@@ -118,7 +118,8 @@ def enable_cpu_fast_path() -> dict:
 
     Call it before anything imports ``mlx.core``: mlx binds its BLAS functions when it loads (Python opens
     extensions with RTLD_NOW), so an OpenBLAS loaded later is never called. ``import nestedkv`` does not
-    import mlx. The ``nkv`` CLI, the benchmarks and the tests call it; a library user opts in the same way.
+    import mlx. Importing ``flows`` (the ``nkv`` CLI, a flow run) calls it, as the tests do; a library user
+    opts in the same way.
     """
     if not _state["fast_path"]:
         _state["fast_path"] = True

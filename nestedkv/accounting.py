@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from nestedkv import buffers as buf
+
 FULL, SLIDING, STATE = "full", "sliding", "state"  # a layer's cache: compressed, window, state (kept as is)
 
 
@@ -54,10 +59,6 @@ def _dims(b, bits):
 
 def layer_memory(c, layer: int) -> LayerMemory:
     """Accounting for one NestedKVCache layer in its real dtype."""
-    import mlx.core as mx  # here, not at import: this module is read before the CPU fast path may load mlx
-
-    from nestedkv import buffers as buf
-
     if c.empty():
         return LayerMemory(layer, 0, 0, "none", 0, 0, 0, 0.0, 0, 0, 0)
     k0, v0 = c.layout.buffers()
@@ -88,8 +89,6 @@ def layer_memory(c, layer: int) -> LayerMemory:
 def other_memory(c, layer: int) -> LayerMemory:
     """Accounting of a layer kept as mlx-lm has it: what it holds is both its full and its kept bytes
     (nothing of it is evicted), and resident is what its arrays take."""
-    from mlx_lm.models.cache import ArraysCache
-
     nbytes = c.nbytes
     if isinstance(c, ArraysCache):
         arrays = [a for a in c.cache if a is not None]

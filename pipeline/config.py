@@ -15,9 +15,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-import nestedkv  # the presses load mlx: reached through the package's lazy names, after the CPU opt-in
+import nestedkv
 from nestedkv import compat
 from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
+from pipeline.evaluate import METRIC_HOOKS
+from pipeline.prefill_cache import check_folder
 
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
@@ -262,8 +264,6 @@ class EngineSettings(_Settings):
     @field_validator("prefill_cache")
     @classmethod
     def _usable_folder(cls, v: Optional[str]) -> Optional[str]:
-        from pipeline.prefill_cache import check_folder
-
         if v is not None:
             check_folder(v)
         return v
@@ -281,8 +281,6 @@ class EngineOptions(EngineSettings):
     @field_validator("metrics")
     @classmethod
     def _known_metrics(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from pipeline.evaluate import METRIC_HOOKS
-
         unknown = [m for m in v if m not in METRIC_HOOKS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}; known: {', '.join(METRIC_HOOKS)}")

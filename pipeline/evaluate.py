@@ -32,14 +32,16 @@ import unicodedata
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
+import mlx.core as mx
 import numpy as np
+from rouge_score import rouge_scorer
 
 import nestedkv
-
-from pipeline.results import TOO_LONG
-
+from nestedkv.rope import model_unrope
 from pipeline.metrics import (AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
                               GOLD_NLL, METRICS, REFERENCE_METRICS, ROUGE_L, TOP1)
+from pipeline.prompts import encode
+from pipeline.results import TOO_LONG
 
 QuestionScores = dict  # metric name -> value, for one question
 
@@ -73,8 +75,6 @@ def exact_match(answer: Optional[str], reference: Optional[str]) -> bool:
 
 @lru_cache(maxsize=1)
 def _rouge_scorer():
-    from rouge_score import rouge_scorer
-
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
 
 
@@ -154,8 +154,6 @@ def teacher_force(model, cache, question_ids: Sequence[int], answer_ids: Sequenc
     model in one forward pass on top of the (compressed) context in ``cache``, then trims the cache
     back to the context, so the same cache can score or answer the next question.
     """
-    import mlx.core as mx
-
     if not question_ids:
         raise ValueError("teacher forcing needs at least one question token")
     if not answer_ids:
@@ -196,8 +194,6 @@ def gold_nll(model, cache, question_ids: Sequence[int], gold_ids: Sequence[int])
 
 def gold_targets(tokenizer, prepared) -> list[list[int]]:
     """The gold answer's token ids per question ([] where there is none)."""
-    from pipeline.prompts import encode
-
     return [encode(tokenizer, g) if g else [] for _, _, g in prepared.questions]
 
 
@@ -214,8 +210,6 @@ class Reference:
 
     @classmethod
     def build(cls, runner, prepared, res, cache) -> "Reference":
-        from pipeline.prompts import encode
-
         answers, targets, logits = [], [], []
         gold = gold_targets(runner.tokenizer, prepared)
         # a question too long for the window is never fed (its row says so): no NLL
@@ -265,8 +259,6 @@ class Reference:
 def gold_spans(tokenizer, context_ids: Sequence[int], answers: Sequence[Optional[str]]) -> dict[int, list[int]]:
     """question index -> context positions of its gold answer's tokens (first occurrence), trying the
     answer with and without a leading space."""
-    from pipeline.prompts import encode
-
     out = {}
     for k, ans in enumerate(answers):
         if not ans:
@@ -284,8 +276,6 @@ def gold_spans(tokenizer, context_ids: Sequence[int], answers: Sequence[Optional
 def retention(full_cache, press, span: Sequence[int], unrope=None) -> float:
     """Share of (layer, KV head, position in ``span``) triples ``press`` keeps, from the full cache's keys
     (``unrope``: the model's inverse rope, for a press that scores unrotated keys)."""
-    import mlx.core as mx
-
     kept = total = 0
     for c in full_cache:
         sel = press.select(c.keys[..., : c.stored, :], unrope=unrope)
@@ -303,8 +293,6 @@ def retention(full_cache, press, span: Sequence[int], unrope=None) -> float:
 
 def gold_kept(runner, prepared, full_cache, press) -> list[QuestionScores]:
     """``gold_kept`` per question whose gold answer occurs in the context."""
-    from nestedkv.rope import model_unrope
-
     spans = gold_spans(runner.tokenizer, prepared.context_ids, [g for _, _, g in prepared.questions])
     unrope = model_unrope(runner.model) if press.unrotate else None
     return [{GOLD_KEPT: retention(full_cache, press, spans[k], unrope)} if k in spans else {}

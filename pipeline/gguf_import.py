@@ -18,6 +18,8 @@ from typing import Any
 import gguf
 import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
 
 # Types mx.load reads exactly. It also accepts some others, but as float16 and not always
 # correctly (its Q4_K disagrees with llama.cpp's reference), and it fails on the rest.
@@ -263,9 +265,6 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 def _spm_tokenizer(meta: dict, src: Path):
     """A Hugging Face tokenizer doing what llama.cpp's SentencePiece ("llama") tokenizer does."""
-    from tokenizers import Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
-
     tokens = _need(meta, "tokenizer.ggml.tokens", src)
     scores = _need(meta, "tokenizer.ggml.scores", src)
     types = meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
@@ -293,8 +292,6 @@ def _spm_tokenizer(meta: dict, src: Path):
 
 
 def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> None:
-    from tokenizers import AddedToken
-
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":
         tok, tokens, types = _gpt2_tokenizer(meta, src)
@@ -312,9 +309,6 @@ def _write_tokenizer(meta: dict, out: Path, src: Path, arch: str = "llama") -> N
 
 
 def _gpt2_tokenizer(meta: dict, src: Path):
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import BPE
-
     pre = meta.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # llama.cpp's smollm pre-tokenizer splits every digit before the GPT-2 regex

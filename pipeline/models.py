@@ -25,9 +25,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
+from huggingface_hub.errors import HfHubHTTPError
 from mlx.utils import tree_map
+from mlx_lm.utils import dequantize_model
 
 from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
+from pipeline import gguf_import
+from pipeline.paths import unwritable
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -87,8 +92,6 @@ def cache_dir_problem() -> str | None:
     """Why ``$NKV_CACHE_DIR`` cannot hold converted models, as one line naming the variable and the fix;
     None when it is unset or fine. Asked before any work (``nkv run`` and the other commands); nothing is
     created. A relative path is refused: flow runs and workers start in other folders."""
-    from pipeline.paths import unwritable
-
     env = os.environ.get(CACHE_ENV)
     if env is None:
         return None
@@ -258,8 +261,6 @@ def ensure_converted(gguf: str | Path) -> Path:
 
 
 def _convert(src: Path, out: Path) -> None:
-    from pipeline import gguf_import  # the gguf package is needed only to convert
-
     try:
         gguf_import.convert(src, out)
     except gguf_import.GGUFError as e:
@@ -293,8 +294,6 @@ def _policy(kind: str, dtype: str | None) -> tuple[bool, Any]:
 
 def _apply_dtype(model: nn.Module, dequantize: bool, dt: Any) -> nn.Module:
     if dequantize:
-        from mlx_lm.utils import dequantize_model
-
         model = dequantize_model(model)
     if dt is not None:
         cast = lambda p: p.astype(dt) if mx.issubdtype(p.dtype, mx.floating) else p  # noqa: E731
@@ -304,17 +303,11 @@ def _apply_dtype(model: nn.Module, dequantize: bool, dt: Any) -> nn.Module:
 
 
 def _load_dir(location: str, ref: str):
-    import mlx_lm
-
     try:
         model, tokenizer = mlx_lm.load(location)
     except ModelLoadError:
         raise
     except Exception as e:
-        try:
-            from huggingface_hub.errors import HfHubHTTPError
-        except ImportError:  # pragma: no cover - huggingface_hub is an mlx-lm dependency
-            HfHubHTTPError = OSError
         if isinstance(e, (OSError, HfHubHTTPError)) and not Path(location).exists():
             raise ModelLoadError(
                 f"could not fetch Hugging Face repo {ref!r} ({type(e).__name__}: {e}). If you are offline, point "

@@ -24,6 +24,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+import nestedkv.kvcache  # noqa: F401  names NestedKVCache to mlx-lm's loader, which finds classes by name
+from pipeline import models
+from pipeline.paths import unwritable
+
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 PREFIX = "nkv-prefill-"
@@ -45,8 +51,6 @@ def check_cap(max_gb: float) -> float:
 def check_folder(folder: str) -> Path:
     """The cache folder, ``~`` expanded, or ``PrefillCacheError``: a path that is (or lies under) a file, or
     a folder (or its nearest existing parent) that cannot be written. Creates nothing."""
-    from pipeline.paths import unwritable
-
     why = unwritable(folder)
     if why:
         raise PrefillCacheError(f"{folder}: {why}")
@@ -55,9 +59,7 @@ def check_folder(folder: str) -> Path:
 
 def model_identity(model_ref: str) -> str:
     """The model's weights on disk: the resolved directory and the size and mtime of its files."""
-    from pipeline.models import model_dir
-
-    path = Path(model_dir(model_ref))
+    path = Path(models.model_dir(model_ref))  # through the module: tests replace it there
     if not path.is_dir():  # a repo id: its name is all we know without downloading
         return str(model_ref)
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
@@ -91,10 +93,6 @@ class PrefillCache:
 
     def get(self, key: str, n_tokens: int) -> Optional[list]:
         """The cache stored under ``key``, or None (missing, unreadable, or not ``n_tokens`` positions)."""
-        from mlx_lm.models.cache import load_prompt_cache
-
-        import nestedkv.kvcache  # noqa: F401  names NestedKVCache to mlx-lm's loader, which finds classes by name
-
         path = self._path(key)
         if not path.is_file():
             return None
@@ -111,8 +109,6 @@ class PrefillCache:
 
     def put(self, key: str, cache: list) -> None:
         """Store ``cache`` (written to a temporary file, then renamed: readers never see half a file)."""
-        from mlx_lm.models.cache import save_prompt_cache
-
         (self.folder / PARTIAL).mkdir(parents=True, exist_ok=True)  # the folder too, if removed since
         fd, tmp = tempfile.mkstemp(dir=self.folder / PARTIAL, suffix=SUFFIX)
         os.close(fd)

@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Optional, Union
 
 import pyarrow as pa
+from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+from nestedkv.press import PRESSES, NoPress
 from nestedkv.quant import KVQuant
 from pipeline.store import Store, StoreError
 
 
 
 def press_order() -> tuple[str, ...]:
-    """Report rows: the reference, then the registered methods in their rank order (loaded on first use, so
-    that importing the report does not load mlx)."""
-    from nestedkv.press import PRESSES, NoPress
-
+    """Report rows: the reference, then the registered methods in their rank order."""
     return (NoPress.name, *(n for n, cls in PRESSES.items() if cls is not NoPress))
 MARKDOWN_NAME = "report.md"
 PLOT_NAME = "quality_vs_ratio.png"
@@ -199,8 +199,6 @@ def _label(row: dict) -> str:
 
 def plot(rows: list[dict], path: Union[str, Path]) -> Path:
     """Accuracy and delta-NLL against compression ratio, one line per method (and head-budget mode)."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
-
     path = Path(path)
     fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax_acc, ax_nll = fig.subplots(1, 2)
@@ -252,9 +250,6 @@ FRONTIER_PANELS = (("accuracy", "Answer accuracy (gold contained)", "accuracy"),
 def plot_frontier(rows: list[dict], path: Union[str, Path]) -> Optional[Path]:
     """Accuracy, delta NLL and delta gold NLL against resident KV MiB per document: one line per method,
     head budget and KV width through its ratios, the uncompressed runs as stars; None without memory rows."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
     pts = [r for r in rows if r.get("resident_mib") and not r["budget"]]
     if not pts:
         return None

@@ -15,6 +15,7 @@ import nestedkv
 from nestedkv.layer_kinds import is_hybrid
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
+from pipeline.evaluate import score_answer, score_logits
 from pipeline.prompts import build_prompt, encode, question_text
 from pipeline import map_reduce, window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
@@ -267,8 +268,6 @@ class Runner:
         decode greedily together from one stacked batch cache, each with its own logits processors'
         history. Greedy answers equal one-at-a-time ones up to floating-point summation order.
         """
-        from pipeline.evaluate import score_answer, score_logits
-
         nestedkv.install_attention_hook(self.model)  # the stack pads each entry's rows: masked per entry
         scores = {e.key: [] for e in entries if e.reference is not None}
         mx.reset_peak_memory()

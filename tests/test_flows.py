@@ -295,9 +295,10 @@ def test_a_new_generation_setting_reaches_every_layer_from_its_field_alone():
 
     from flows.cli import app
 
-    commands = typer.main.get_command(app).commands
+    group = typer.main.get_command(app)
     for cmd in ("run", "sweep", "eval", "serve"):  # the option the CLI generates from the field
-        assert any("--repetition-context-size" in p.opts for p in commands[cmd].params), cmd
+        command = group.get_command(typer.Context(group), cmd)
+        assert any("--repetition-context-size" in p.opts for p in command.params), cmd
 
 
 def test_generated_flows_are_importable_where_deployments_look_for_them():

@@ -362,7 +362,7 @@ def test_kv_settings_reach_the_flows_and_deployments():
 
     from flows.batch import budget_sweep, summarize_batch
     from flows.sharded import sharded_batch
-    from flows.cli import press_grid
+    from flows.cli.spec import press_grid
     from flows.deploy import batch_parameters
     from flows.params import SWEEP
     from pipeline.config import RunConfig

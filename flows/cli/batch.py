@@ -7,19 +7,30 @@ from typing import Optional
 
 import typer
 
-from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, app, check_before_flow,
+from flows import local_server
+from flows.batch import BatchNotStored, run_spec
+from flows.cli.app import command, group
+from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, check_before_flow,
                               check_environment, check_input_early, exit_on_sigterm, fail, markup_safe, progress_bars,
                               say, spec_option, user_errors)
 from flows.cli.spec import (batch_progress, build, compared_by_default, exit_unless_done, print_input_errors,
                             print_savings, print_summary)
+from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
 from flows.options import generation_options, press_options
 from flows.params import SWEEP
+from flows.sharded import serve_sharded
+from flows.shards import ShardError, fan_out, require_lake, shard_counts
+from pipeline import engine
 from pipeline.config import EVAL_DB, EVAL_INPUT
+from pipeline.store import Store
+
+cli = group()
+
 
 _SWEPT = {"press": ",".join(SWEEP.defaults["presses"]),  # the budget-sweep flow's defaults, as CLI lists
           "compression_ratio": ",".join(map(str, SWEEP.defaults["compression_ratios"]))}
 
-@app.command()
+@command(cli, "run")
 @press_options()
 @generation_options()
 def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
@@ -29,27 +40,21 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
         shards: Optional[int] = typer.Option(None, "--shards", help="with --pool: this many shards"),
         shard_size: Optional[int] = typer.Option(None, "--shard-size", help="with --pool: documents per shard"),
         press: dict = None, generation: dict = None):
-    """Run a batch through the Prefect flow and store outputs and per-layer KV memory (several press
-    values: every combination, one run each)."""
     if pool or shards is not None or shard_size is not None:
         check_fan_out(db, pool, shards, shard_size)
         return run_pool(build(press, generation, input=input, task=task, model=model, db=db), data_path, pool,
                         shards, shard_size)
     spec = build(press, generation, input=input, task=task, model=model, db=db)
     check_environment()
-    from flows.local_server import local_api
-
     check_before_flow(spec, data_path)
     exit_on_sigterm()
-    with user_errors(), local_api(), batch_progress(configs_bar=len(spec.configs()) > 1) as hooks:
+    with user_errors(), local_server.local_api(), batch_progress(configs_bar=len(spec.configs()) > 1) as hooks:
         summary = _run_spec(spec, hooks)
     print_summary(summary, db)
     exit_unless_done(summary)
 
 
 def _run_spec(spec, hooks):
-    from flows.batch import BatchNotStored, run_spec
-
     try:
         return run_spec(spec, hooks)
     except BatchNotStored as exc:  # the flow run ended Failed (documents not stored): say what it did
@@ -58,8 +63,6 @@ def _run_spec(spec, hooks):
 
 def check_fan_out(db: str, pool: Optional[str], shards: Optional[int], shard_size: Optional[int]) -> None:
     """The fan-out flags and store, before any model loads or server is asked."""
-    from flows.shards import ShardError, require_lake, shard_counts
-
     if not pool:
         fail("--shards/--shard-size fan out over a work pool: give --pool NAME")
     try:
@@ -73,9 +76,6 @@ def run_pool(spec, data_path, pool, shards, shard_size) -> None:
     """``nkv run --pool``: shards of the batch as flow runs on a work pool, progress per shard, the merged
     summary from the store."""
     check_environment()
-    from flows.deploy import ServerUnavailable
-    from flows.shards import ShardError, fan_out
-
     if len(spec.configs()) != 1:
         fail("a fanned-out batch runs one press configuration: give one value per press option")
     check_before_flow(spec, data_path, load=False)  # creates the lake with its data path
@@ -100,28 +100,25 @@ def run_pool(spec, data_path, pool, shards, shard_size) -> None:
         raise typer.Exit(1)
 
 
-@app.command()
+@command(cli, "sweep")
 @press_options(**_SWEPT)
 @generation_options()
 def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: str = DbOpt,
           evaluate: bool = typer.Option(SWEEP.defaults["evaluate"], "--evaluate/--no-evaluate",
                                         help="score each configuration against no_press"),
           press: dict = None, generation: dict = None):
-    """Compare presses and budgets: one prefill per document, one stored run per configuration plus no_press."""
     spec = build(press, generation, input=input, task=task, model=model, db=db, reference=True, evaluate=evaluate)
     check_environment()
-    from flows.local_server import local_api
-
     check_before_flow(spec)
     exit_on_sigterm()
     say(f"{len(spec.configs())} configurations + the no_press reference, one prefill per document")
-    with user_errors(), local_api(), batch_progress(configs_bar=True) as hooks:
+    with user_errors(), local_server.local_api(), batch_progress(configs_bar=True) as hooks:
         summary = _run_spec(spec, hooks)
     print_summary(summary, db)
     exit_unless_done(summary)
 
 
-@app.command()
+@command(cli, "serve")
 @press_options()
 @generation_options(exclude=("batch_decode",))
 def serve(
@@ -140,10 +137,6 @@ def serve(
     press: dict = None,
     generation: dict = None,
 ):
-    """Serve the batch flow as a scheduled deployment (needs a Prefect server: `prefect server start`)."""
-    from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
-    from flows.sharded import serve_sharded
-
     spec = build(press, generation, input=input, task=task, model=model, db=db)
     if len(spec.configs()) != 1:
         fail("a deployment runs one press configuration: give one value per press option")
@@ -156,8 +149,6 @@ def serve(
     try:
         check_server()  # first: without a server nothing else matters
         if pool and data_path:  # create the lake with its data path
-            from pipeline.store import Store
-
             with user_errors(), Store(db, data_path=data_path):
                 pass
         if sharded:  # the fan-out reads the input here; the shards go beside the lake's data
@@ -177,7 +168,7 @@ def serve(
         fail(str(exc))
 
 
-@app.command("eval")
+@command(cli, "eval")
 @press_options(press=None, compression_ratio=_SWEPT["compression_ratio"])  # no --press: every compared press of the registry
 @generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
@@ -188,10 +179,6 @@ def eval_(
     press: dict = None,
     generation: dict = None,
 ):
-    """Answer quality against the uncompressed model: per document one prefill, then every configuration
-    (and no_press) answers every question; metrics go to the evaluations table and quality_vs_full."""
-    from pipeline.engine import run_spec
-
     spec = build(compared_by_default(press), generation, input=input, task="qa", model=model, db=db, evaluate=True,
                  metrics=tuple(metric or ()))
     check_environment(prefect=False)
@@ -199,7 +186,7 @@ def eval_(
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(spec.configs())} configurations + the no_press reference, one prefill per document")
     with user_errors(), batch_progress(configs_bar=True) as hooks:
-        summary = run_spec(spec, hooks=hooks)
+        summary = engine.run_spec(spec, hooks=hooks)
     print_summary(summary, db)
     say(f"{summary.wall_s:.0f} s; `nkv report --db {db}` for the table and plot")
     exit_unless_done(summary)

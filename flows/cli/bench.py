@@ -9,15 +9,17 @@ from typing import Optional
 
 import typer
 
-from bench import long, memory, overhead, peer, quant, throughput
+from bench import kernels, long, memory, overhead, peer, quant, rope, throughput
 from bench.peer import DEFAULT_PEER_PYTHON, PeerOptions
 from flows import bench_overhead
-from flows.cli.common import ModelOpt, app, fail, out_console, say, split_list, user_errors
+from flows.cli.app import COMMANDS, group
+from flows.cli.common import ModelOpt, fail, out_console, say, split_list, user_errors
+from pipeline import models
 from pipeline.config import DEFAULT_INPUT, INT32_MAX
 
-bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="Benchmarks, one command each; every figure in docs/ names the command it came from.")
-app.add_typer(bench_app, name="bench")
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help=COMMANDS["bench"].help)
+cli = group()
+cli.add_typer(bench_app, name="bench")
 
 OutOpt = typer.Option(None, "--out", help="also write the figures here (JSON)")
 CompressionOpt = typer.Option(0.75, "--compression-ratio", help="fraction of the context removed")
@@ -54,14 +56,10 @@ def bench_kernels(
     out: Optional[str] = OutOpt,
 ):
     """Scoring, compression and decode time, GEMM speed and bytes per layer."""
-    # these load mlx when imported: only after main() has enabled the CPU fast path
-    from bench import kernels
-    from pipeline.models import model_dir
-
     with user_errors():
         scoring = split_list(sizes, int, "--sizes") or None
         try:
-            kernels.run(model_dir(model), context=context, new_tokens=new_tokens, random_tokens=random_tokens,
+            kernels.run(models.model_dir(model), context=context, new_tokens=new_tokens, random_tokens=random_tokens,
                         out=out, **_given(chunk=chunk, text=text, sizes=scoring, repeats=repeats))
         except ValueError as exc:  # bad arguments (checked before any work) or a --text that tokenizes to nothing
             fail(str(exc))
@@ -108,8 +106,6 @@ def bench_rope(
     out: Optional[str] = OutOpt,
 ):
     """How much of each NestedKV scale's ranking is position."""
-    from bench import rope  # loads mlx: see bench_kernels
-
     with user_errors():
         res = rope.run(model, context, log=_log)
     if out:

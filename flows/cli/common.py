@@ -1,14 +1,20 @@
-"""What every ``nkv`` command shares: the app, one-line output and errors, tables, progress bars, common
+"""What every ``nkv`` command shares: one-line output and errors, tables, progress bars, common
 options, and the checks made before any work starts."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import typer
+from prefect.logging.handlers import PrefectConsoleHandler
+from prefect.settings import get_current_settings
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -16,10 +22,19 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Table
 from rich.text import Text
 
+from flows import output
+from flows.cli.app import verbose
+from flows.deploy import ServerUnavailable, check_server
 from flows.output import CONTROL_ESCAPES, plain
+from nestedkv.cache import check_group_size
+from pipeline import models
+from pipeline.documents import InputError, check_input
+from pipeline.models import ModelLoadError, cache_dir_problem
+from pipeline.paths import unwritable
 from pipeline.spec import BatchSpec
+from pipeline.store import Store, StoreError
+from pipeline.store.errors import is_interrupt
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="NestedKV batch pipeline for long documents.")
 console = Console(stderr=True)
 # Tables go to stdout; piped output gets each table at its own width (no column lost to a default 80).
 out_console = Console(width=None if sys.stdout.isatty() else 100_000)
@@ -70,11 +85,8 @@ class _PrintableLog(logging.Filter):
 
 
 def printable_prefect_logs() -> None:
-    """Put ``_PrintableLog`` on Prefect's console handlers (once Prefect is imported: its import makes them)."""
-    if "prefect" not in sys.modules:
-        return
-    from prefect.logging.handlers import PrefectConsoleHandler
-
+    """Put ``_PrintableLog`` on Prefect's console handlers (importing its flow API, as ``flows.batch`` does,
+    makes them)."""
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
@@ -82,26 +94,13 @@ def printable_prefect_logs() -> None:
             handler.addFilter(_PrintableLog())
 
 
-_verbose = {"on": False}  # set by the global --verbose option
-
-
-@app.callback()
-def _global_options(verbose: bool = typer.Option(False, "--verbose", help="show the traceback of an error "
-                                                 "before its one-line message")):
-    _verbose["on"] = verbose
-
-
 @contextmanager
 def user_errors():
     """Bad input, a held database or an unloadable model end the command with one line, exit 2."""
-    from pipeline.documents import InputError
-    from pipeline.models import ModelLoadError
-    from pipeline.store import StoreError
-
     try:
         yield
     except (InputError, StoreError, ModelLoadError) as exc:
-        if _verbose["on"]:
+        if verbose["on"]:
             console.print_exception()
         fail(str(exc))
 
@@ -109,8 +108,6 @@ def user_errors():
 @contextmanager
 def interrupted_exits(what: str):
     """Ctrl-C anywhere inside (opening the store, the statement, writing rows, closing): one line, exit 130."""
-    from pipeline.store.errors import is_interrupt
-
     try:
         yield
     except (KeyboardInterrupt, RuntimeError, OSError) as exc:
@@ -139,8 +136,6 @@ def print_table(table, fmt: str = "table", title: Optional[str] = None) -> None:
 def print_result(schema, batches, fmt: str = "table", title: Optional[str] = None) -> bool:
     """Record batches as a terminal table, CSV or JSON (stdout), written as they come; a table shows at most
     ``output.TABLE_ROWS`` rows. True when rows were left out (the caller may stop the query)."""
-    from flows import output
-
     if fmt in ("csv", "json"):
         output.write_result(fmt, schema, batches, sys.stdout)
         return False
@@ -173,8 +168,6 @@ def _given(error: dict) -> str:
 
 
 def invalid(exc: Exception) -> None:
-    from pydantic import ValidationError
-
     if isinstance(exc, ValidationError):
         # removeprefix: pydantic's wording for a validator's ValueError, noise to a user
         fail("invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
@@ -186,18 +179,11 @@ def invalid(exc: Exception) -> None:
 def check_environment(prefect: bool = True) -> None:
     """Environment faults, before any work: one line naming the variable and the fix. ``prefect``: the
     command runs a flow (Prefect's home must be writable, a configured server must answer)."""
-    import os
-    from pathlib import Path
-
-    from pipeline.paths import unwritable
-
     tmp = os.environ.get("TMPDIR")
     if tmp is not None:  # mlx, DuckDB and Prefect's subprocesses take it as it is
         why = "it is empty" if not tmp else unwritable(tmp) or (None if Path(tmp).is_dir() else "no such folder")
         if why:
             fail(f"TMPDIR={tmp}: {why}; point TMPDIR at a writable folder or unset it")
-    from pipeline.models import cache_dir_problem
-
     problem = cache_dir_problem()  # where models are converted, by this command or its flow runs
     if problem:
         fail(problem)
@@ -212,11 +198,7 @@ def check_environment(prefect: bool = True) -> None:
     if why:
         var = f"PREFECT_HOME={home}" if home else f"HOME={Path.home()} (Prefect keeps its files in ~/.prefect)"
         fail(f"{var}: {why}; set PREFECT_HOME to a writable folder")
-    from prefect.settings import get_current_settings
-
     if get_current_settings().api.url:
-        from flows.deploy import ServerUnavailable, check_server
-
         try:
             check_server(hint="start it (`prefect server start`) or unset PREFECT_API_URL to run with a "
                               "temporary server of this command's own")
@@ -229,8 +211,6 @@ def exit_on_sigterm() -> None:
     Ctrl-C (SIGINT) stops the batch the same clean way even when the command inherited SIGINT ignored, as a
     non-interactive shell's background job does: Python then keeps it ignored, and the interrupted command went
     on holding the store."""
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -238,8 +218,6 @@ def exit_on_sigterm() -> None:
 
 def check_input_early(input: str) -> None:
     """Fail on a missing or damaged input before a flow (and Prefect's temporary server) starts."""
-    from pipeline.documents import check_input
-
     with user_errors():
         check_input(input, pages=True)
 
@@ -249,13 +227,11 @@ def check_before_flow(spec: BatchSpec, data_path: Optional[str] = None, load: bo
     leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
     damaged file; the flow reuses this process's copy), and that the store opens for writing.
     ``load=False`` (a fan-out, whose workers load the model): the reference is only resolved."""
-    from pipeline.models import check_reference, load_model
-    from pipeline.store import Store
-
     check_input_early(spec.input)
     db = spec.db
     with user_errors():
-        loaded = (load_model if load else check_reference)(spec.model)  # a bad reference fails before any loading
+        # a bad reference fails before any loading
+        loaded = (models.load_model if load else models.check_reference)(spec.model)
         if load:
             check_kv_group_size(loaded[0], spec.configs())
         with Store(db, wait_s=spec.options.wait, data_path=data_path, on_wait=lambda waited, total: say(
@@ -265,8 +241,6 @@ def check_before_flow(spec: BatchSpec, data_path: Optional[str] = None, load: bo
 
 def check_kv_group_size(model, configs) -> None:
     """A quantization group that does not divide the model's head dimension: one line, before any prefill."""
-    from nestedkv.cache import check_group_size
-
     for size in sorted({c.kv_group_size for c in configs if c.kv_bits is not None}):
         try:
             check_group_size(model, size)

@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
+import math
+
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from flows.cli.common import (DbOpt, app, fail, interrupted_exits, out_console, print_result, print_table, say,
+from flows import output
+from flows.cli.app import command, group
+from flows.cli.common import (DbOpt, fail, interrupted_exits, out_console, print_result, print_table, say,
                               spec_option, user_errors)
 from flows.output import plain
-from flows.query import QUERY_TIMEOUT_S
+from flows.query import QUERY_TIMEOUT_S, QueryStopped, background_query
+from pipeline import store as store_mod
 from pipeline.config import EVAL_DB
+from pipeline.models import list_models
+from pipeline.report import write_report
+from pipeline.store import Store
+
+cli = group()
+
 
 def run_query(store, sql: str, fmt: str, timeout: float) -> None:
     """Write the query's batches here as they come (``flows.query``); ``timeout`` stops it. A table shows
     the first rows only, and then the query is stopped as well."""
-    from flows.output import TABLE_ROWS
-    from flows.query import QueryStopped, background_query
-
     try:
         with background_query(store, sql, timeout) as (schema, batches):
             if print_result(schema, batches, fmt):
-                say(f"showing the first {TABLE_ROWS} rows; --format csv or json writes every row", style="yellow")
+                say(f"showing the first {output.TABLE_ROWS} rows; --format csv or json writes every row",
+                    style="yellow")
     except QueryStopped as exc:
         fail(str(exc), 1)
     except BrokenPipeError:  # the reader went away (| head): stop quietly
         raise typer.Exit(0)
 
 
-@app.command()
+@command(cli, "query")
 def query(
     sql: str = typer.Argument(..., help="SQL to run read-only"),
     db: str = DbOpt,
@@ -36,44 +45,30 @@ def query(
     timeout: float = typer.Option(QUERY_TIMEOUT_S, "--timeout", help="seconds the query may wait on the database "
                                   "before it is stopped (0: no limit); Ctrl-C stops it at once"),
 ):
-    """Run a read-only SQL query against the store (results are written as they are read)."""
-    import math
-
-    from pipeline.store import Store
-
     if format not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {format!r}")
     if not (math.isfinite(timeout) and timeout >= 0):
         fail(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
-    from pipeline import store as store_mod
-
     # A batch writing the store holds it only while it stores a document: wait that out.
     with interrupted_exits("query"), user_errors():
         with Store(db, read_only=True, wait_s=store_mod.READER_WAIT_S) as store:
             run_query(store, sql, format, timeout)
 
 
-@app.command()
+@command(cli, "report")
 def report(
     db: str = spec_option("db", EVAL_DB, "DuckDB file written by `nkv eval`"),
     out: str = typer.Option("reports", "--out", help="folder for report.md, quality_vs_ratio.png and "
                             "quality_vs_memory.png"),
 ):
-    """Quality against compression: a table per (method, head budget, ratio, KV width), the configurations on
-    the quality-memory frontier, and two plots (against the ratio, against resident KV MiB)."""
-    from pipeline.report import write_report
-
     with user_errors():
         rep = write_report(db, out)
     print_table(rep.table, title="quality against the uncompressed reference")
     say(f"wrote {rep.markdown_path} and {rep.plot_path}" + (f" and {rep.frontier_path}" if rep.frontier_path else ""))
 
 
-@app.command()
+@command(cli, "models")
 def models():
-    """List the built-in and the converted (cached) models."""
-    from pipeline.models import list_models
-
     rows = list_models()
     out = Table(title="models")
     keys = sorted({k for r in rows for k in r})

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pyarrow as pa
 import typer
 from rich.text import Text
 
 from flows.cli.common import (invalid, markup_safe, out_console, print_table, printable_prefect_logs, progress_bars,
                               say, split_list)
 from flows.output import plain
+from nestedkv.press import compared_methods
 from pipeline.config import BatchOptions, PressSettings, parse_kv_bits, parse_press_param
+from pipeline.engine import Hooks
 from pipeline.results import OK
 from pipeline.spec import FIXED_FIELDS, BatchSpec, scalar_type
 
@@ -40,8 +43,6 @@ def compared_by_default(press: dict) -> dict:
     """The press options with no ``--press`` given: every press the registry marks as compared."""
     if press["press"] is not None:
         return press
-    from nestedkv.press import compared_methods
-
     return {**press, "press": ",".join(compared_methods())}
 
 
@@ -60,8 +61,6 @@ def build(press: dict, generation: dict, **spec) -> BatchSpec:
 @contextmanager
 def batch_progress(configs_bar: bool = False):
     """Progress bars for documents, configurations and prefill chunks, as engine hooks."""
-    from pipeline.engine import Hooks
-
     printable_prefect_logs()
     with progress_bars() as bars:
         docs = bars.add_task("documents", total=None)
@@ -87,8 +86,6 @@ def print_input_errors(errors) -> None:
 
 
 def print_savings(savings: list[dict]) -> None:
-    import pyarrow as pa
-
     if savings:
         print_table(pa.Table.from_pylist(savings), title="memory savings")
 

@@ -9,12 +9,21 @@ from typing import Optional
 import typer
 
 from bench import ablation as ablation_mod
-from flows.cli.common import (ModelOpt, app, check_kv_group_size, fail, invalid, out_console, say, spec_option,
+from flows.cli.app import command, group
+from flows.cli.common import (ModelOpt, check_kv_group_size, fail, invalid, out_console, say, spec_option,
                               split_list, user_errors)
 from flows.cli.spec import batch_progress, compared_by_default, press_grid
 from flows.options import generation_options, press_options
+from pipeline import models
+from pipeline import suite as suite_mod
+from pipeline import tasks as tasks_mod
 from pipeline.config import EVAL_INPUT, BatchOptions
+from pipeline.spec import PressGrid
 from pipeline.suite.options import SUITE_RATIOS, default_options
+from pipeline.tasks import TASKS
+
+cli = group()
+
 
 # The suite's own defaults for the generated options; every other default is the settings'.
 _GRID = {"press": None, "compression_ratio": ",".join(map(str, SUITE_RATIOS)), "head_budget": "uniform,adaptive"}
@@ -22,7 +31,7 @@ _OPTIONS = default_options().model_dump(include={"max_new_tokens", "batch_decode
 _FLOW_ONLY = ("retries", "retry_delay_s")  # the suite runs the engine, not the flows: no task retries
 
 
-@app.command()
+@command(cli, "suite")
 @press_options(**_GRID)
 @generation_options(exclude=_FLOW_ONLY, **_OPTIONS)
 def suite(
@@ -50,13 +59,6 @@ def suite(
     press: dict = None,
     generation: dict = None,
 ):
-    """The synthetic long-context suite (RULER-style tasks on Austen's prose): generate, calibrate on the
-    uncompressed model, run the methods, report per task and the quality-memory frontier. The press options
-    are a grid as in ``nkv sweep`` (--press '' : calibration only; default: every compared press)."""
-    from pipeline import suite as suite_mod
-    from pipeline.spec import PressGrid
-    from pipeline.tasks import TASKS
-
     press = compared_by_default(press)
     try:
         opts = suite_mod.SuiteOptions(
@@ -70,16 +72,14 @@ def suite(
     except ValueError as exc:
         invalid(exc)
     with user_errors():
-        from pipeline.models import load_model
-
-        check_kv_group_size(load_model(model)[0], configs)
+        check_kv_group_size(models.load_model(model)[0], configs)
     with user_errors(), batch_progress(configs_bar=True) as hooks:
         res = suite_mod.run_suite(opts, hooks=hooks, log=say)
     out_console.print(res.markdown_path.read_text(encoding="utf-8"), markup=False, highlight=False)
     say(f"wrote {res.markdown_path}" + (f" and {res.plot_path}" if res.plot_path else ""))
 
 
-@app.command()
+@command(cli, "tasks")
 def tasks(
     out: Path = typer.Option(..., "--out", help="Parquet file to write"),
     size: str = typer.Option("standard", "--size", help="quick, small or standard (lengths and documents per "
@@ -93,15 +93,11 @@ def tasks(
     model: str = spec_option("model", help="whose tokenizer counts the tokens"),
     austen: Optional[Path] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
 ):
-    """Only generate the suite's documents (RULER-style tasks on Austen's prose) as Parquet."""
-    from pipeline import tasks as tasks_mod
-    from pipeline.models import load_model
-
     if size not in tasks_mod.SIZES:
         fail(f"--size: choose {', '.join(sorted(tasks_mod.SIZES))}, got {size!r}")
     sizes = tasks_mod.SIZES[size]
     with user_errors():
-        count = tasks_mod.token_counter(load_model(model)[1])
+        count = tasks_mod.token_counter(models.load_model(model)[1])
     try:  # generate's ValueErrors are all about its arguments (unknown tasks, lengths, a short haystack)
         rows = tasks_mod.generate(count, split_list(lengths, int, "--lengths") or sizes.lengths,
                                   per_task or sizes.per_task, seed, split_list(tasks, str, "--tasks") or tasks_mod.TASKS,
@@ -112,7 +108,7 @@ def tasks(
     typer.echo(f"{out}: {len(rows)} documents, {sum(len(r['questions']) for r in rows)} questions")
 
 
-@app.command()
+@command(cli, "ablation")
 def ablation(
     input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions)"),
     compression_ratio: str = typer.Option("0.75,0.9", "--compression-ratio"),
@@ -122,7 +118,6 @@ def ablation(
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N documents"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the table as markdown here"),
 ):
-    """Per-scale ablation of NestedKV: which part of the score helps or hurts, on the same documents."""
     ratios = split_list(compression_ratio, float, "--compression-ratio")
     names = split_list(variants, str, "--variants") or None
     try:

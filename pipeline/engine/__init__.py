@@ -23,14 +23,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from pipeline import models
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document, RowError
 from pipeline.engine.document import (NO_HOOKS, Hooks, Outcome, Work, compute, error_result, finish,  # noqa: F401
                                       is_out_of_memory, prefill_full, process_document, process_documents)
 from pipeline.engine.plan import Plan, close_plan, done_documents, open_plan  # noqa: F401
+from pipeline.model_shape import model_info
 from pipeline.results import ERROR, OK
+from pipeline.runner import Runner
 from pipeline.spec import BatchSpec, check_configs, make_configs
-from pipeline.store import StoreError, StoreWriteError
+from pipeline.store import Store, StoreError, StoreWriteError
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +94,7 @@ SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budge
 
 def make_runner(config: RunConfig):
     """Load the configured model (cached per process) and wrap it for this configuration."""
-    from pipeline.models import load_model
-    from pipeline.model_shape import model_info
-    from pipeline.runner import Runner
-
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = models.load_model(config.model)  # through the module: tests replace it there
     return Runner(model, tokenizer, config, max_context=model_info(model).get("max_position_embeddings"))
 
 
@@ -155,8 +154,6 @@ def run(input: str, configs: Sequence[RunConfig], db: str, options: EngineOption
         hooks: Hooks = NO_HOOKS, runner=None, wait_s: float = 0.0) -> Summary:
     """A whole batch without an orchestrator: plan, every document, close, with resume. ``wait_s``: how
     long to wait for another writer to release the store."""
-    from pipeline.store import Store
-
     with Store(db, wait_s=wait_s) as store:
         plan = open_plan(store, input, configs, options)
         return run_batch(store, plan, hooks=hooks, runner=runner)

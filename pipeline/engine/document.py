@@ -9,10 +9,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+import mlx.core as mx
+
+import nestedkv
 from pipeline import map_reduce
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
+from pipeline.evaluate import METRIC_HOOKS, Reference, evaluation_rows
+from pipeline.prefill_cache import open_cache
 from pipeline.results import TOO_LONG, DocumentResult
+from pipeline.runner import Entry
 from pipeline.spec import check_configs
 from pipeline.store import StoreWriteError
 
@@ -79,9 +85,6 @@ class Work:
 
     def answer(self, cfg: RunConfig, cache, res: DocumentResult, full) -> None:
         """Compress ``cache`` and answer from it now, or leave it in ``together`` for ``finish``."""
-        import nestedkv
-        from pipeline.evaluate import METRIC_HOOKS, Reference
-
         runner = self.runner
         if full is not None:
             for name in self.options.metrics:
@@ -127,10 +130,6 @@ class Work:
 
     def start(self) -> "Work":
         """Tokenize, prefill (once for the whole-context configurations), compress each configuration."""
-        import mlx.core as mx
-
-        import nestedkv
-
         runner, options, hooks, todo = self.runner, self.options, self.hooks, self.todo
         shell, self.prepared = runner.start(self.doc)
         if self.prepared is None:  # the document cannot run (no questions, too long): every configuration says so
@@ -188,8 +187,6 @@ class Work:
 
 def finish(runner, works: list[Work]) -> list[list[Outcome]]:
     """Answer every configuration left in ``together``, of all ``works`` at once, then their outcomes."""
-    from pipeline.runner import Entry
-
     entries = [Entry((i, cfg), cache, w.prepared, w.results[cfg], w.ref if w.evaluate else None)
                for i, w in enumerate(works) for cfg, cache in w.together.items()]
     if entries:
@@ -218,14 +215,8 @@ def compute(runner, doc: Document, configs: Sequence[RunConfig], *, reference: O
 def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, hooks: Hooks):
     """The uncompressed prefill every whole-context configuration starts from: from the prefill cache
     when one is configured and holds it (``prefill_s`` is then the load time), else computed (and stored)."""
-    import mlx.core as mx
-
-    import nestedkv
-
     if not options.prefill_cache:
         return runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
-    from pipeline.prefill_cache import open_cache
-
     store = open_cache(options.prefill_cache, options.prefill_cache_gb)
     n = len(prepared.context_ids)
     key = store.key(runner.config.model, prepared.context_ids, runner.config.prefill_step_size)
@@ -261,8 +252,6 @@ def process_documents(runner, store, plan: Plan, docs: Sequence[Document], *, ho
     options batch them) and write each document's rows (and evaluation rows) in one transaction of its own.
     A failure is stored as error rows; then, if ``retry_if(exception)`` holds, it is raised so the caller
     can retry (the retry's write replaces those rows)."""
-    from pipeline.evaluate import evaluation_rows
-
     reference = plan.reference if plan.options.evaluate else None
     works, failed = [], {}
     for doc in docs:

@@ -198,7 +198,7 @@ class Connection:
         """An exclusive lock on ``<store>.lock`` for as long as this store is open for writing (False when
         another batch holds it). DuckDB's own lock lasts one transaction only, once the store is open."""
         try:
-            import fcntl
+            import fcntl  # here, not at the top: POSIX only, and this module has a path without it
         except ImportError:  # no flock (Windows): DuckDB's per-transaction lock is all there is
             return True
         self._lock_created = not self._lock_path().exists()

@@ -26,7 +26,7 @@ def process_started_at(pid: int) -> Optional[float]:
     Tells a reused pid from the process that recorded it: psutil where installed, else Linux's /proc.
     """
     try:
-        import psutil
+        import psutil  # here, not at the top: optional, no dependency brings it (else /proc below)
     except ImportError:
         psutil = None
     if psutil is not None:

@@ -28,7 +28,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pipeline.engine
+from pipeline import models
 from pipeline.documents import sha256_hex
+from pipeline.engine import NO_HOOKS
+from pipeline.store import Store
 # Re-exported: importers name pipeline.suite, whichever module defines the name.
 from pipeline.suite.options import (ABLATION_FILE, HEADLINE_RATIOS, LONG_FROM, MARKDOWN_NAME, METHODS_FILE,  # noqa: F401
                                     PLOT_NAME, PREFILLS_DIR, QUESTIONS_FILE, SUITE_FILE, SUMMARY_FILE, SuiteOptions,
@@ -43,16 +47,12 @@ from pipeline.tasks import SIZES, generate, length_label, token_counter, write
 def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=print) -> SuiteResult:
     """Generate, calibrate, run the methods on the calibrated cells, score and report. ``count``: the token
     counter (default: the model's tokenizer); ``runner``: an engine runner (default: the model's)."""
-    from pipeline.engine import NO_HOOKS, run
-    from pipeline.store import Store
-
+    run = pipeline.engine.run  # looked up per call: callers and tests may replace it in pipeline.engine
     hooks = hooks or NO_HOOKS
     stage: dict[str, float] = {}
     t0 = time.perf_counter()
     if count is None:
-        from pipeline.models import load_model
-
-        count = token_counter(load_model(opts.model)[1])
+        count = token_counter(models.load_model(opts.model)[1])  # through the module: tests replace it there
     size = SIZES[opts.size]
     docs = generate(count, opts.lengths or size.lengths, opts.per_task or size.per_task, opts.seed, opts.tasks,
                     Path(opts.austen) if opts.austen else None)

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import nestedkv  # compared_methods loads mlx: through the package's lazy names
+import nestedkv
 from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
 from pipeline.spec import PressGrid
-from pipeline.tasks import SIZES, TASKS
+from pipeline.suite.variants import VARIANTS, variant_configs
+from pipeline.tasks import SIZES, TASKS, summary_documents
 
 
 def methods() -> tuple[str, ...]:
@@ -80,8 +81,6 @@ class SuiteOptions:
         if self.grid.budget:
             raise ValueError("budget: the suite compares ratios across lengths; give --compression-ratio")
         if self.variants is not None:
-            from pipeline.suite.variants import VARIANTS
-
             unknown = [v for v in self.variants if VARIANTS.get(v, ("",))[0] != "nestedkv"]
             if unknown:
                 raise ValueError(f"variants: unknown {unknown}; known: "
@@ -115,8 +114,6 @@ class SuiteOptions:
 
     def ablation_configs(self) -> dict[RunConfig, str]:
         """NestedKV's variants (each scale alone, no gate, ...) at the headline ratios: config -> variant name."""
-        from pipeline.suite.variants import VARIANTS, variant_configs
-
         if not self.ablation:
             return {}
         ratios = [r for r in HEADLINE_RATIOS if r in self.ratios] or list(self.ratios)
@@ -132,8 +129,6 @@ class SuiteOptions:
         return self.grid.configs(base or self.base())
 
     def summary_documents(self, count) -> list[dict]:
-        from pipeline.tasks import summary_documents
-
         lengths = [n for n in (self.lengths or SIZES[self.size].lengths) if n >= self.long_from]
         if not self.summaries or not lengths:
             return []

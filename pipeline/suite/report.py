@@ -8,10 +8,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
 from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SuiteOptions, SuiteResult
-import nestedkv  # PRESSES loads mlx: through the package's lazy names
+import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired
 from pipeline.tasks import TASKS, length_label
@@ -160,11 +162,6 @@ def _per_length(rows: Sequence[dict], doc_length: dict, reduce) -> dict:
 def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path: Path) -> Optional[Path]:
     """Accuracy on the calibrated cells against resident KV MiB per document: one panel per length, one
     curve per method and budget mode (its points are the ratios), the uncompressed model as a star."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = {(c["task"], c["length"]) for c in calib if c["headline"]}
     which = "calibrated tasks"
     if not ok:  # nothing passed calibration (the methods ran only if asked): plot every cell, and say so
@@ -181,7 +178,8 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
     lengths = sorted({n for n, _ in pts})
     if not lengths:
         return None
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(lengths), 4.2))
+    axes = fig.subplots(1, len(lengths), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         for (n, name), xs in sorted(pts.items()):
             if n != length:
@@ -205,7 +203,6 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import nestedkv  # PRESSES loads mlx: through the package's lazy names
+import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import contains_gold

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.prompts import encode
 from pipeline.tasks.plans import LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words
 from pipeline.tasks.text import Sentence, haystack, vocabulary
 
@@ -159,6 +160,4 @@ def write(rows: Sequence[dict], path) -> Path:
 
 def token_counter(tokenizer) -> TokenCounter:
     """Tokens of a text under ``tokenizer``, as the runner encodes a context (no special tokens added)."""
-    from pipeline.prompts import encode
-
     return lambda text: len(encode(tokenizer, text))

@@ -1,0 +1,57 @@
+"""The ``nkv`` app's command table (flows.cli.app): listing loads no command module, each command is found in
+the module the table names, with the table's help."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from flows.cli.app import COMMANDS, app, command, group
+
+ROOT_MODULES = ("flows.cli.", "mlx", "prefect", "matplotlib", "transformers", "pipeline", "bench")
+
+
+def test_listing_the_commands_loads_none_of_their_modules():
+    code = ("import sys; from typer.testing import CliRunner; from flows.cli import app; "
+            "r = CliRunner().invoke(app, ['--help']); print(r.exit_code); print(r.output); "
+            f"print(sorted(m for m in sys.modules if m.startswith({ROOT_MODULES!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.strip().splitlines()
+    assert lines[0] == "0"
+    assert all(f" {name} " in out for name in COMMANDS)
+    assert lines[-1] == "['flows.cli.app']"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_each_command_is_in_its_tables_module_with_the_tables_help(name):
+    root = get_command(app)
+    cmd = root.get_command(typer.Context(root), name)
+    assert cmd is not None and cmd.name == name and cmd.help == COMMANDS[name].help
+    assert COMMANDS[name].module in sys.modules
+
+
+def test_the_table_names_every_command_of_every_group_module():
+    modules = {entry.module for entry in COMMANDS.values()}
+    found = {}
+    for module in modules:
+        commands = get_command(importlib.import_module(module).cli)
+        names = commands.commands if hasattr(commands, "commands") else {commands.name: commands}
+        found.update(dict.fromkeys(names, module))
+    assert found == {name: entry.module for name, entry in COMMANDS.items()}
+
+
+def test_a_command_defined_outside_its_tables_module_is_refused():
+    def run():
+        pass
+
+    with pytest.raises(RuntimeError, match=f"nkv run is defined in {__name__}; COMMANDS says flows.cli.batch"):
+        command(group(), "run")(run)
+
+
+def test_an_unknown_command_says_so():
+    result = CliRunner().invoke(app, ["nosuch"])
+    assert result.exit_code == 2 and "No such command 'nosuch'" in result.output
