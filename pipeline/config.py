@@ -62,7 +62,8 @@ class PressSettings(_Settings):
 
     press: str = Field("nestedkv", description="the method, a press of nestedkv's registry (README.md's "
                        "table; an unknown name lists them); no_press: the uncompressed reference")
-    compression_ratio: float = Field(0.75, ge=0.0, lt=1.0, description="fraction of context KV entries removed")
+    compression_ratio: float = Field(nestedkv.BasePress.run_defaults["compression_ratio"], ge=0.0, lt=1.0,
+                                     description="fraction of context KV entries removed")
     budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,
                                   description="absolute tokens kept per KV head (wins over the ratio)")
     head_budget: Optional[HeadBudget] = Field(None, description="uniform, or adaptive (the heads of a layer "

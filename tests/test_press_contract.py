@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from nestedkv import compress, make_cache
-from nestedkv.press import PRESSES, NoPress, compared_methods, get_press
+from nestedkv.press import PRESSES, BasePress, NoPress, compared_methods, get_press
 from pipeline.config import RunConfig
 
 NAMES = sorted(PRESSES)
@@ -124,21 +124,25 @@ def test_save_load(tiny_model, tokens, tmp_path, name):
 def test_a_runs_press_is_the_press_at_its_own_defaults(name):
     # The pipeline's settings take their defaults from the press class: no second table of them.
     cfg = RunConfig(press=name, compression_ratio=0.0 if PRESSES[name] is NoPress else 0.5)
-    want = get_press(name, compression_ratio=cfg.compression_ratio, **PRESSES[name].run_defaults)
+    want = get_press(name, **{**PRESSES[name].defaults(), "compression_ratio": cfg.compression_ratio})
     assert cfg.make_press() == want
     assert cfg.head_budget == PRESSES[name].defaults()["head_budget"]
 
 
-def test_a_press_declares_a_runs_default_head_budget_on_its_class():
+def test_a_press_declares_a_runs_defaults_on_its_class():
     @dataclass(frozen=True)
     class Competing(PRESSES["knorm"]):
         name: ClassVar[str] = "test_competing"
         run_defaults: ClassVar[dict] = {"head_budget": "adaptive"}
 
     try:
-        assert RunConfig(press="test_competing").head_budget == "adaptive"
-        assert Competing().head_budget == "uniform"  # the library's field keeps its default
-        assert RunConfig(press="knorm").head_budget == "uniform"
-        assert RunConfig(press="nestedkv").head_budget == "adaptive"
+        cfg = RunConfig(press="test_competing")
+        assert (cfg.head_budget, cfg.compression_ratio) == ("adaptive", 0.75)
+        assert (Competing().head_budget, Competing().compression_ratio) == ("uniform", 0.0)  # the library's fields
+        assert Competing.defaults()["compression_ratio"] == 0.75  # its bases' run defaults too
+        knorm, nkv = RunConfig(press="knorm"), RunConfig(press="nestedkv")
+        assert (knorm.head_budget, nkv.head_budget) == ("uniform", "adaptive")
+        # Every run's ratio is the one the base press declares, NestedKV's adding only its head budget
+        assert knorm.compression_ratio == nkv.compression_ratio == BasePress.run_defaults["compression_ratio"]
     finally:
         del PRESSES["test_competing"]

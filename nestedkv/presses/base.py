@@ -50,9 +50,10 @@ class BasePress:
     # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream.
     needs_model: ClassVar[bool] = False
     # A run's settings for this press where they differ from the fields' defaults, which keep the library's
-    # contract (a uniform budget works with every model; adaptive needs the attention routed). The pipeline
-    # reads them here and nowhere else.
-    run_defaults: ClassVar[dict] = {}
+    # contract (a press built bare compresses nothing, as kvpress's; a uniform budget works with every model,
+    # adaptive needs the attention routed). A subclass adds its own to its bases' (``defaults``); the ratio is
+    # every press's (a sweep's grid shares it). The pipeline reads them here and nowhere else.
+    run_defaults: ClassVar[dict] = {"compression_ratio": 0.75}
 
     compression_ratio: float = 0.0
     budget: Optional[int] = None
@@ -164,7 +165,10 @@ class BasePress:
     @classmethod
     def defaults(cls) -> dict:
         """Every field's default, with the run's own where ``run_defaults`` gives one (what a run takes)."""
-        return {**{f.name: f.default for f in fields(cls)}, **cls.run_defaults}
+        own = {}
+        for klass in reversed(cls.__mro__):
+            own.update(vars(klass).get("run_defaults", {}))
+        return {**{f.name: f.default for f in fields(cls)}, **own}
 
     @classmethod
     def parse_params(cls, params: dict) -> dict:
