@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 import nestedkv
 from nestedkv import compat
 from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
-from pipeline.evaluate import METRIC_HOOKS
-from pipeline.prefill_cache import check_folder
+from nestedkv.run_defaults import COMPRESSION_RATIO
+from pipeline.metrics import HOOKED_METRICS
+from pipeline.paths import writable_folder
 
 Task = Literal["summarize", "qa"]
 HeadBudget = Literal["uniform", "adaptive"]
@@ -62,7 +63,7 @@ class PressSettings(_Settings):
 
     press: str = Field("nestedkv", description="the method, a press of nestedkv's registry (README.md's "
                        "table; an unknown name lists them); no_press: the uncompressed reference")
-    compression_ratio: float = Field(nestedkv.BasePress.run_defaults["compression_ratio"], ge=0.0, lt=1.0,
+    compression_ratio: float = Field(COMPRESSION_RATIO, ge=0.0, lt=1.0,
                                      description="fraction of context KV entries removed")
     budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,
                                   description="absolute tokens kept per KV head (wins over the ratio)")
@@ -266,14 +267,14 @@ class EngineSettings(_Settings):
     @classmethod
     def _usable_folder(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-            check_folder(v)
+            writable_folder(v)
         return v
 
 
 class EngineOptions(EngineSettings):
     """The engine's options: its settings, and what kind of batch it is. ``reference`` stores the no_press
     twin as its own run; ``evaluate`` scores each configuration against it (and implies it); ``metrics``
-    names extra metric hooks (``pipeline.evaluate.METRIC_HOOKS``)."""
+    names extra metric hooks (``pipeline.metrics.HOOKED_METRICS``)."""
 
     reference: bool = False
     evaluate: bool = False
@@ -282,9 +283,9 @@ class EngineOptions(EngineSettings):
     @field_validator("metrics")
     @classmethod
     def _known_metrics(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [m for m in v if m not in METRIC_HOOKS]
+        unknown = [m for m in v if m not in HOOKED_METRICS]
         if unknown:
-            raise ValueError(f"unknown metrics {unknown}; known: {', '.join(METRIC_HOOKS)}")
+            raise ValueError(f"unknown metrics {unknown}; known: {', '.join(HOOKED_METRICS)}")
         return v
 
     @property

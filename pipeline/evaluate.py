@@ -299,4 +299,4 @@ def gold_kept(runner, prepared, full_cache, press) -> list[QuestionScores]:
             for k in range(len(prepared.questions))]
 
 
-METRIC_HOOKS = {GOLD_KEPT: gold_kept}
+METRIC_HOOKS = {GOLD_KEPT: gold_kept}  # one per name of metrics.HOOKED_METRICS, which the settings accept

@@ -32,6 +32,7 @@ from mlx_lm.utils import dequantize_model
 
 from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
 from pipeline import gguf_import
+from pipeline.errors import ModelLoadError
 from pipeline.paths import unwritable
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -79,10 +80,6 @@ _ACCEPTED = (
     + ", ".join(BUILTIN_MODELS)
     + ")"
 )
-
-
-class ModelLoadError(ValueError):
-    """A model reference could not be resolved, fetched, converted or loaded."""
 
 
 CACHE_ENV = "NKV_CACHE_DIR"

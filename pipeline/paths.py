@@ -9,6 +9,14 @@ from pathlib import Path
 from typing import Optional, Union
 
 
+def writable_folder(folder: str, error: type[Exception] = ValueError) -> Path:
+    """``folder`` with ``~`` expanded, or ``error`` saying why no file can be created in it. Creates nothing."""
+    why = unwritable(folder)
+    if why:
+        raise error(f"{folder}: {why}")
+    return Path(folder).expanduser()
+
+
 def unwritable(folder: Union[str, Path]) -> Optional[str]:
     """Why no file can be created in ``folder`` (a file in the way, no permission, a read-only mount), or None."""
     probe = Path(folder).expanduser()

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import nestedkv.kvcache  # noqa: F401  names NestedKVCache to mlx-lm's loader, which finds classes by name
 from pipeline import models
-from pipeline.paths import unwritable
+from pipeline.paths import writable_folder
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -51,10 +51,7 @@ def check_cap(max_gb: float) -> float:
 def check_folder(folder: str) -> Path:
     """The cache folder, ``~`` expanded, or ``PrefillCacheError``: a path that is (or lies under) a file, or
     a folder (or its nearest existing parent) that cannot be written. Creates nothing."""
-    why = unwritable(folder)
-    if why:
-        raise PrefillCacheError(f"{folder}: {why}")
-    return Path(folder).expanduser()
+    return writable_folder(folder, PrefillCacheError)
 
 
 def model_identity(model_ref: str) -> str:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from nestedkv.accounting import LayerMemory
+if TYPE_CHECKING:  # an annotation only: nestedkv.accounting loads mlx-lm, which the store's readers need not
+    from nestedkv.accounting import LayerMemory
 
 # Document/question statuses.
 OK = "ok"

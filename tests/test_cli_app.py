@@ -5,6 +5,7 @@ import importlib
 import subprocess
 import sys
 
+import duckdb
 import pytest
 import typer
 from typer.main import get_command
@@ -24,6 +25,20 @@ def test_listing_the_commands_loads_none_of_their_modules():
     assert lines[0] == "0"
     assert all(f" {name} " in out for name in COMMANDS)
     assert lines[-1] == "['flows.cli.app']"
+
+
+def test_a_query_loads_neither_the_model_stack_nor_prefect(tmp_path):
+    # nkv query is the interactive command: what it imports is what every query waits for.
+    db = tmp_path / "q.duckdb"
+    code = ("import sys; from typer.testing import CliRunner; from flows.cli import app; "
+            f"r = CliRunner().invoke(app, ['query', 'select 6 * 7 as answer', '--db', {str(db)!r}, '--format', 'csv']); "
+            "print(r.exit_code); print(r.output); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx_lm', 'transformers', 'prefect', 'matplotlib'}))")
+    duckdb.connect(str(db)).close()
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           check=True).stdout.strip().splitlines()
+    assert lines[0] == "0" and "42" in lines
+    assert lines[-1] == "[]"
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))

@@ -11,6 +11,8 @@ import pipeline.engine as engine
 from pipeline.config import RunConfig
 from pipeline.documents import Document
 from pipeline.engine import EngineOptions, check_configs, compute, make_configs
+from pipeline.evaluate import METRIC_HOOKS
+from pipeline.metrics import HOOKED_METRICS
 from pipeline.results import ERROR, OK
 from pipeline.runner import Runner
 from pipeline.store import Store
@@ -138,6 +140,12 @@ def test_gold_kept_metric_hook(runner):
     assert any(v is not None for v in kept[("no_press", 0.0)])  # the gold answers occur in the context
     with pytest.raises(ValueError, match="unknown metrics"):
         EngineOptions(metrics=("nope",))
+
+
+def test_every_metric_the_settings_accept_has_its_hook():
+    # The settings check names (pipeline.metrics), the engine calls hooks (pipeline.evaluate): one per name.
+    assert tuple(METRIC_HOOKS) == HOOKED_METRICS
+    assert EngineOptions(metrics=HOOKED_METRICS).metrics == HOOKED_METRICS
 
 
 def test_batched_decode_gives_the_same_answers_and_scores(runner, prefills):

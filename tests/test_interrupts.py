@@ -17,7 +17,7 @@ import pytest
 
 from test_reliability import invoke, one_error_line
 
-import flows.cli.results as results
+import flows.cli.query as query_cli
 from pipeline.store import Store
 
 # 25 offsets in the first 25 ms (the store opens, the statement is prepared), 25 spread over half a second.
@@ -71,7 +71,7 @@ def ctrl_c_after(delay: float, fired: list) -> None:
 def test_ctrl_c_at_any_offset_stops_the_query(tmp_path, monkeypatch):
     db = tmp_path / "runs.duckdb"
     Store(db).close()
-    real = results.interrupted_exits
+    real = query_cli.interrupted_exits
     plan: dict = {}
 
     @contextlib.contextmanager
@@ -80,7 +80,7 @@ def test_ctrl_c_at_any_offset_stops_the_query(tmp_path, monkeypatch):
             threading.Thread(target=ctrl_c_after, args=(plan["offset"], plan["fired"]), daemon=True).start()
             yield
 
-    monkeypatch.setattr(results, "interrupted_exits", timed)
+    monkeypatch.setattr(query_cli, "interrupted_exits", timed)
     failures, stuck = [], set()
     with loaded_cores():
         for name, (sql, fmt) in QUERIES.items():

@@ -1,6 +1,7 @@
 """The ``nkv`` command line: one typer app (``flows.cli.app``, which lists the commands), their code in modules by
-group (``batch``: run, sweep, eval, serve; ``results``: query, report, models; ``suite``: the suite, its tasks and
-the ablation; ``bench``: the benchmarks)."""
+group (``batch``: run, sweep, eval, serve; ``query``; ``results``: report, models; ``suite``: the suite, its tasks
+and the ablation; ``bench``: the benchmarks), with ``common`` (output, errors, options) and ``checks`` (before a
+flow or a model) beside them."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ COMMANDS = {
     "eval": Entry("flows.cli.batch", "Answer quality against the uncompressed model: per document one prefill, then "
                   "every configuration (and no_press) answers every question; metrics go to the evaluations table "
                   "and quality_vs_full."),
-    "query": Entry("flows.cli.results", "Run a read-only SQL query against the store (results are written as they "
+    "query": Entry("flows.cli.query", "Run a read-only SQL query against the store (results are written as they "
                    "are read)."),
     "report": Entry("flows.cli.results", "Quality against compression: a table per (method, head budget, ratio, KV "
                     "width), the configurations on the quality-memory frontier, and two plots (against the ratio, "

@@ -10,9 +10,9 @@ import typer
 from flows import local_server
 from flows.batch import BatchNotStored, run_spec
 from flows.cli.app import command, group
-from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, check_before_flow,
-                              check_environment, check_input_early, exit_on_sigterm, fail, markup_safe, progress_bars,
-                              say, spec_option, user_errors)
+from flows.cli.checks import check_before_flow, check_environment, check_input_early, exit_on_sigterm
+from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, fail, markup_safe, progress_bars, say,
+                              spec_option, user_errors)
 from flows.cli.spec import (batch_progress, build, compared_by_default, exit_unless_done, print_input_errors,
                             print_savings, print_summary)
 from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch

@@ -9,8 +9,8 @@ import pyarrow as pa
 import typer
 from rich.text import Text
 
-from flows.cli.common import (invalid, markup_safe, out_console, print_table, printable_prefect_logs, progress_bars,
-                              say, split_list)
+from flows.cli.checks import printable_prefect_logs
+from flows.cli.common import invalid, markup_safe, out_console, print_table, progress_bars, say, split_list
 from flows.output import plain
 from nestedkv.press import compared_methods
 from pipeline.config import BatchOptions, PressSettings, parse_kv_bits, parse_press_param

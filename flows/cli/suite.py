@@ -10,8 +10,8 @@ import typer
 
 from bench import ablation as ablation_mod
 from flows.cli.app import command, group
-from flows.cli.common import (ModelOpt, check_kv_group_size, fail, invalid, out_console, say, spec_option,
-                              split_list, user_errors)
+from flows.cli.checks import check_kv_group_size
+from flows.cli.common import ModelOpt, fail, invalid, out_console, say, spec_option, split_list, user_errors
 from flows.cli.spec import batch_progress, compared_by_default, press_grid
 from flows.options import generation_options, press_options
 from pipeline import models

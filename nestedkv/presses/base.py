@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from nestedkv import compat, rope, scoring
 from nestedkv.quant import KV_BITS, KV_GROUP_SIZES, KVQuant, check_kv_bits  # noqa: F401 (re-exported)
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from nestedkv.selection import (
     N_SINK,
     SAFEGUARD,
@@ -52,8 +53,8 @@ class BasePress:
     # A run's settings for this press where they differ from the fields' defaults, which keep the library's
     # contract (a press built bare compresses nothing, as kvpress's; a uniform budget works with every model,
     # adaptive needs the attention routed). A subclass adds its own to its bases' (``defaults``); the ratio is
-    # every press's (a sweep's grid shares it). The pipeline reads them here and nowhere else.
-    run_defaults: ClassVar[dict] = {"compression_ratio": 0.75}
+    # every press's (``nestedkv.run_defaults``; a sweep's grid shares it). The pipeline reads them here.
+    run_defaults: ClassVar[dict] = {"compression_ratio": COMPRESSION_RATIO}
 
     compression_ratio: float = 0.0
     budget: Optional[int] = None
