@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random-weight mlx-lm models (no downloads, seconds to build)."""
 
+import importlib
+
 import nestedkv
 
 nestedkv.enable_cpu_fast_path()  # before mlx loads (it binds its BLAS then); what the nkv CLI runs with
@@ -7,7 +9,14 @@ nestedkv.enable_cpu_fast_path()  # before mlx loads (it binds its BLAS then); wh
 import mlx.core as mx
 import pytest
 
+from flows.cli.app import COMMANDS
 from tiny import make_tiny_model
+
+# Every command's module loads here, before a test invokes the CLI in a CliRunner: Prefect, transformers and
+# huggingface_hub give their loggers a handler on sys.stderr as they load, which inside the runner is its own
+# stream, closed after the call (a later log line then ends the process). nkv loads them with its own stderr.
+for _module in dict.fromkeys(entry.module for entry in COMMANDS.values()):
+    importlib.import_module(_module)
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 SLOW_KINDS = ("e2e", "server", "scaleout")  # each is slow by nature: a real model, server or work pool
