@@ -8,7 +8,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from nestedkv.press import KV_GROUP_SIZES
+from nestedkv.quant import KV_GROUP_SIZES
 
 
 def parts(buf) -> tuple:

@@ -19,6 +19,7 @@ from typing import ClassVar, Optional
 import mlx.core as mx
 
 from nestedkv.presses.base import BasePress, check, check_ints
+from nestedkv.probe import probe
 from nestedkv.rope import from_description, mean_rotation
 
 
@@ -66,8 +67,6 @@ class ExpectedAttentionPress(BasePress):
               self.name)
 
     def model_scores(self, model, cache, tokens, prompt):
-        from nestedkv.probe import probe  # the attention module imports the presses
-
         n = len(tokens)
         recent = min(self.n_recent, n - 1)  # their queries recomputed at their own positions, as in the prefill
         scores = [None] * len(cache)

@@ -13,6 +13,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv.presses.base import BasePress, check_ints
+from nestedkv.probe import probe, probe_attention
 from nestedkv.selection import N_SINK
 
 
@@ -48,8 +49,6 @@ class KVzipPress(BasePress):
         return [min(n, max(self.n_sink, round(c / (s.shape[0] * s.shape[1])))) for c, s in zip(counts, scores)]
 
     def model_scores(self, model, cache, tokens, prompt):
-        from nestedkv.probe import probe, probe_attention  # the attention module imports the presses
-
         n = len(tokens)
         starts = [0] * len(cache)  # per layer, the chunk the current feed repeats
         parts: list[list] = [[] for _ in cache]
