@@ -19,6 +19,11 @@ from typing import Callable, Optional, TypeVar, Union
 
 import duckdb
 
+try:
+    import fcntl
+except ImportError:  # POSIX only: _take_writer_lock goes without it
+    fcntl = None
+
 from pipeline.store import lake
 from pipeline.store.errors import StoreError, StoreLockedError, StoreWriteError, one_line
 from pipeline.store.sandbox import SANDBOX
@@ -197,9 +202,7 @@ class Connection:
     def _take_writer_lock(self) -> bool:
         """An exclusive lock on ``<store>.lock`` for as long as this store is open for writing (False when
         another batch holds it). DuckDB's own lock lasts one transaction only, once the store is open."""
-        try:
-            import fcntl  # here, not at the top: POSIX only, and this module has a path without it
-        except ImportError:  # no flock (Windows): DuckDB's per-transaction lock is all there is
+        if fcntl is None:  # no flock (Windows): DuckDB's per-transaction lock is all there is
             return True
         self._lock_created = not self._lock_path().exists()
         try:

@@ -7,6 +7,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
+try:
+    import psutil
+except ImportError:  # optional, no dependency brings it: Linux's /proc instead (process_started_at)
+    psutil = None
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -25,10 +30,6 @@ def process_started_at(pid: int) -> Optional[float]:
 
     Tells a reused pid from the process that recorded it: psutil where installed, else Linux's /proc.
     """
-    try:
-        import psutil  # here, not at the top: optional, no dependency brings it (else /proc below)
-    except ImportError:
-        psutil = None
     if psutil is not None:
         try:
             return psutil.Process(pid).create_time()
