@@ -20,7 +20,6 @@ compression, question and decode): one method, and the five-configuration sweep.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.peer_export import export_fp32
+from bench.rss import peak_rss
 from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, REFERENCE_PRESS, RunConfig
 from pipeline.documents import load_documents
 from pipeline.engine import compute, make_runner
@@ -169,14 +169,6 @@ def peer_records(response: dict, methods: Sequence[Method] = METHODS) -> dict:
                                       **{k: run[k] for k in ("prefill_s", "decode_s", "n_generated", "answers",
                                                              "kv_resident_bytes")}})
     return out
-
-
-def peak_rss() -> int:
-    """Peak resident bytes of this process, measured as the worker measures its own."""
-    spec = importlib.util.spec_from_file_location("nkv_peer_worker", WORKER)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)  # standard library and numpy only at import time
-    return worker.peak_rss()
 
 
 def probe_logits(model, ids: list) -> np.ndarray:

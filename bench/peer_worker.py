@@ -3,7 +3,7 @@
     <peer python> bench/peer_worker.py REQUEST.json RESPONSE.json
 
 Started by file path, not as ``bench.peer_worker``: importing the package would load mlx, which the peer
-environment does not have. Standard library, numpy, torch, transformers and kvpress only.
+environment does not have. Standard library, numpy, torch, transformers, kvpress and ``rss.py`` beside it only.
 
 Requests (JSON): ``{"op": "probe", ...}`` writes the logits of ``probe_ids`` to ``probe_out`` (.npy);
 ``{"op": "bench", ...}`` runs every document under every configuration with kvpress's press context manager
@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import json
 import platform
-import resource
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
+from rss import peak_rss  # beside this file: started by path, its folder leads sys.path
+
+# The folder's other modules (long.py, memory.py, quant.py...) must not shadow what the packages below import.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import kvpress  # noqa: E402 (after the line above, as are the others)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, pipeline  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 
 def _versions() -> dict:
@@ -35,28 +43,7 @@ def _versions() -> dict:
     return out
 
 
-def peak_rss() -> int:
-    """Peak resident bytes of this process. Linux: VmHWM, since ru_maxrss carries the forking parent's
-    peak across exec (the worker would report at least the size of the benchmark that started it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 def load(model_dir: str, threads: int):
-    # torch, transformers and kvpress inside functions: the kvpress venv's (not installed beside mlx), and the
-    # main venv runs this file too (bench.peer.peak_rss)
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from transformers.utils import logging
-
     logging.disable_progress_bar()  # the caller reads our output only when we fail
     torch.set_num_threads(threads)
     # sdpa: AdaKV's masking needs an attention implementation other than eager.
@@ -68,8 +55,6 @@ def load(model_dir: str, threads: int):
 def make_press(spec: dict):
     """A kvpress press from ``{"press": class name, "compression_ratio": r, "adaptive": bool, "kwargs": {}}``;
     None for no compression."""
-    import kvpress  # the kvpress venv's (not installed beside mlx)
-
     if spec["press"] is None:
         return None
     press = getattr(kvpress, spec["press"])(compression_ratio=spec["compression_ratio"], **spec.get("kwargs", {}))
@@ -77,8 +62,6 @@ def make_press(spec: dict):
 
 
 def probe(req: dict) -> dict:
-    import torch  # the kvpress venv's (not installed beside mlx)
-
     model, _ = load(req["model_dir"], req["threads"])
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([req["probe_ids"]])).logits[0].float().numpy()
@@ -92,8 +75,6 @@ def kv_bytes(cache) -> int:
 
 def answer(model, tokenizer, cache, question_ids: list, context_len: int, max_new: int, eos: set) -> tuple[str, int]:
     """Greedy answer after the compressed context, stopping before an end token; (text, tokens generated)."""
-    import torch  # the kvpress venv's (not installed beside mlx)
-
     ids = torch.tensor([question_ids])
     pos = torch.arange(context_len, context_len + len(question_ids))[None]
     out = model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1)
@@ -111,11 +92,8 @@ def answer(model, tokenizer, cache, question_ids: list, context_len: int, max_ne
 
 
 def prompt_check(model, tokenizer, context: str, questions: list, context_ids: list, questions_ids: list) -> bool:
-    """Whether kvpress's own pipeline turns (context, questions) into exactly our token ids."""
-    from transformers import pipeline  # the kvpress venv's (not installed beside mlx)
-
-    import kvpress  # noqa: F401  (registers the pipeline task)
-
+    """Whether kvpress's own pipeline turns (context, questions) into exactly our token ids (importing kvpress
+    registered its pipeline task)."""
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     got = pipe.preprocess(context, questions, answer_prefix="", max_context_length=10**9)
     return (got["context_ids"][0].tolist() == context_ids
@@ -123,9 +101,6 @@ def prompt_check(model, tokenizer, context: str, questions: list, context_ids: l
 
 
 def bench(req: dict) -> dict:
-    import torch  # the kvpress venv's (not installed beside mlx)
-    from transformers import DynamicCache  # the kvpress venv's (not installed beside mlx)
-
     t_load = time.perf_counter()
     model, tokenizer = load(req["model_dir"], req["threads"])
     load_s = time.perf_counter() - t_load
@@ -174,8 +149,4 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    # Started by path, so this folder is first on sys.path: its modules (evaluate.py, config.py...) would shadow
-    # packages of the same names that transformers looks for.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.exit(main(sys.argv))

@@ -134,6 +134,6 @@ def test_benchmarks_live_in_bench_and_each_is_an_nkv_bench_command():
     assert lab == []
     root = get_command(app)
     group = root.get_command(typer.Context(root), "bench")
-    helpers = {"__init__", "peer_export", "peer_worker", "ablation"}  # used by commands, not commands
+    helpers = {"__init__", "peer_export", "peer_worker", "rss", "ablation"}  # used by commands, not commands
     modules = {p.stem for p in (ROOT / "bench").glob("*.py")} - helpers
     assert modules and modules <= set(group.commands), modules - set(group.commands)
