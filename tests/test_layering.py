@@ -1,6 +1,6 @@
 """Imports go one way: flows -> bench -> pipeline -> nestedkv -> (mlx, mlx_lm), and no module imports itself back
-through others (no import circle, inside a package too). Checked on the source (lazy imports inside functions
-count too) and on what importing a package really loads."""
+through others (no import circle, inside a package too), and every import is at its module's top. Checked on the
+source and on what importing a package really loads."""
 
 import ast
 import subprocess
@@ -26,6 +26,25 @@ def imported_roots(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             roots.add(node.module.split(".")[0])
     return roots
+
+
+def imports_in_functions(source: str) -> list[int]:
+    """The lines of the imports inside a function (a method or a nested function too)."""
+    functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return sorted({n.lineno for f in functions for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))})
+
+
+def test_imports_in_functions_are_found():
+    source = "import os\n\nclass C:\n    def f(self):\n        if os:\n            from json import dumps\n"
+    assert imports_in_functions(source) == [6] and imports_in_functions("import os\n") == []
+
+
+def test_product_modules_import_at_their_top():
+    # The CPU opt-in runs on importing flows (flows/__init__.py), and the CLI loads its command modules through
+    # one table (flows.cli.app, with importlib): no import waits inside a function.
+    found = {str(p.relative_to(ROOT)): lines for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+             if (lines := imports_in_functions(p.read_text()))}
+    assert found == {}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
