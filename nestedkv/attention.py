@@ -17,8 +17,8 @@ On the CPU, long prefill chunks are also split by query rows (``row_plan``): mlx
 softmax on one thread, and its exp dominates prefill time past a few hundred context tokens, so row blocks
 on several CPU streams use every core; causal blocks skip the keys they cannot see, and every block's scores
 stay under ``_cpu.CHUNK_BYTES``. fp32 blocks under a causal or no mask take their softmax in NumPy
-(``numpy_rows``: its vectorized exp), others and every shorter call (decode steps included) as ``softmax_attention``, whose exp
-is a power of 2 (mlx's CPU exp is about three times slower). Both only with
+(``numpy_rows``: its vectorized exp), others and every shorter call (decode steps included) as
+``softmax_attention``, whose exp is a power of 2 (mlx's CPU exp is about three times slower). Both only with
 the CPU fast path (``nestedkv.enable_cpu_fast_path``); elsewhere (without it, Metal, CUDA, attention sinks)
 mlx's attention runs as is.
 """
@@ -122,10 +122,12 @@ def _upper(n: int) -> np.ndarray:
     return np.triu(np.ones((n, n), dtype=bool), 1)
 
 
-def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
-    """fp32 attention by the row blocks of ``plan`` (causal: aligned to the end of the keys): the products in
-    mlx (its BLAS), the softmax in NumPy, in place on the evaluated scores, one thread per list of blocks.
-    NumPy's exp is vectorized, several times mlx's CPU exp per value, and every pass releases the GIL."""
+def numpy_softmax(queries, keys, scale: float, causal: bool, plan, reduce=None) -> tuple:
+    """fp32 softmax weights by the row blocks of ``plan`` (causal: aligned to the end of the keys): the
+    products in mlx (its BLAS), the softmax in NumPy, in place on the evaluated scores, one thread per list of
+    blocks. NumPy's exp is vectorized, several times mlx's CPU exp per value, and every pass releases the GIL.
+    Returns each block's weights ``[B, H, g, b - a, end]`` (mlx arrays), its ``(a, b, end)`` span, and
+    ``reduce(weights)`` of each block, taken in its thread while the block is in cache (None without one)."""
     B, Hq, L, D = queries.shape
     H, S = keys.shape[1], keys.shape[2]
     g = Hq // H
@@ -139,6 +141,7 @@ def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.ar
             spans.append((a, b, end))
     mx.eval(scores)
     arrays = [np.asarray(x) for x in scores]  # mlx's own buffers, written in place below
+    reduced: list = [None] * len(arrays)
 
     def softmax(blocks: range) -> None:
         for i in blocks:
@@ -149,11 +152,21 @@ def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.ar
             s -= s.max(axis=-1, keepdims=True)
             np.exp2(s, out=s)  # log2 e is folded into the queries
             s /= s.sum(axis=-1, keepdims=True)
+            if reduce is not None:
+                reduced[i] = reduce(s)
 
     firsts = np.cumsum([0] + [len(todo) for todo in plan])
     list(_cpu.pool().map(softmax, [range(firsts[i], firsts[i + 1]) for i in range(len(plan))]))
-    outs = {a: (p.reshape(B, H, g * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, D)
-            for p, (a, b, end) in zip(scores, spans)}
+    return scores, spans, reduced
+
+
+def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
+    """fp32 attention by the row blocks of ``plan``, the softmax in NumPy (``numpy_softmax``)."""
+    B, Hq, L, D = queries.shape
+    H = keys.shape[1]
+    weights, spans, _ = numpy_softmax(queries, keys, scale, causal, plan)
+    outs = {a: (p.reshape(B, H, (Hq // H) * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, D)
+            for p, (a, b, end) in zip(weights, spans)}
     return mx.concatenate([outs[a] for a in sorted(outs)], axis=2)
 
 

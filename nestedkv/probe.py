@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from nestedkv.attention import LOG2E, install_attention_hook
+from nestedkv import _cpu
+from nestedkv.attention import LOG2E, MIN_ROWS, install_attention_hook, numpy_softmax, row_plan
 
 
 class ProbeCache(KVCache):
@@ -56,20 +58,23 @@ def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press
         yield
 
 
-def probe_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, n: int) -> tuple:
-    """The fed rows' attention output ``[B, Hq, L, D]`` and their softmax weights ``[B, H, g * L, n]`` on the
-    first ``n`` (context) keys, fp32, each fed row seeing the context and the fed rows up to itself; query
-    heads grouped by KV head. An observer returning the output spares the layer computing it again."""
+def peak_context_weights(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
+    """The most softmax weight each of the first ``n`` (context) keys gets from any fed row, ``[B, H, n]``, fp32,
+    query heads grouped by KV head; each fed row sees the context and the fed rows up to itself (causal,
+    aligned to the end of ``keys``). On the CPU fast path, by row blocks with the softmax in NumPy over the
+    cores, as the layers' own attention (mlx's CPU softmax runs on one thread)."""
     B, Hq, L, D = queries.shape
     H, S = keys.shape[1], keys.shape[2]
     g = Hq // H
+    q, k = queries.astype(mx.float32), keys.astype(mx.float32)
+    plan = row_plan(B, Hq, L, S, _cpu.streams_for(L // MIN_ROWS)) if _cpu.fast() else []
+    if plan:
+        _, _, peaks = numpy_softmax(q, k, scale, True, plan, reduce=lambda w: w[..., :n].max(axis=(2, 3)))
+        return mx.array(np.maximum.reduce(peaks))
     # log2 e folded into the queries: exp as a power of 2, about three times cheaper than exp on the CPU
-    q = (queries.astype(mx.float32) * (scale * LOG2E)).reshape(B, H, g * L, D)
-    s = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+    s = (q * (scale * LOG2E)).reshape(B, H, g * L, D) @ k.swapaxes(-1, -2)
     row = mx.tile(mx.arange(L), g)[:, None]  # the fed position of each grouped query row
-    col = mx.arange(S)[None] - n
-    s = mx.where(col <= row, s, -mx.inf)
+    s = mx.where(mx.arange(S)[None] - (S - L) <= row, s, -mx.inf)
     p = mx.power(2.0, s - mx.max(s, axis=-1, keepdims=True))
     p = p / mx.sum(p, axis=-1, keepdims=True)
-    out = (p.astype(values.dtype) @ values).reshape(B, Hq, L, D)
-    return out, p[..., :n]
+    return mx.max(p[..., :n], axis=2)

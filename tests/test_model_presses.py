@@ -138,16 +138,27 @@ def test_compression_seconds_include_the_reconstruction(tiny_model, tokens):
     assert seen.get("called") and res.compress_s > 0 and all(c.compressed for c in cache)
 
 
-def test_the_probe_attends_as_the_model_does():
-    from nestedkv.probe import probe_attention
+@pytest.mark.parametrize("blocks", [False, True], ids=["one-call", "numpy-row-blocks"])
+def test_peak_context_weights_are_the_causal_softmax_maxima(blocks, monkeypatch):
+    from nestedkv import attention as nkv_attention
+    from nestedkv import probe as nkv_probe
+    from nestedkv.probe import peak_context_weights
 
     rng = np.random.default_rng(0)
-    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 8, 16), (1, 2, 20, 16),
-                                                                            (1, 2, 20, 16)))
-    out, weights = probe_attention(q, k, v, 0.25, n=12)
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")  # aligned to the keys' end
-    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
-    assert weights.shape == (1, 2, 2 * 8, 12) and float(mx.max(weights)) <= 1.0
+    B, Hq, H, L, n, D = 1, 4, 2, 40, 12, 16
+    q = rng.standard_normal((B, Hq, L, D)).astype(np.float32)
+    k = rng.standard_normal((B, H, n + L, D)).astype(np.float32)
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0 if blocks else 2**62)
+    calls, real = [], nkv_attention.numpy_softmax
+    monkeypatch.setattr(nkv_probe, "numpy_softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = np.array(peak_context_weights(mx.array(q), mx.array(k), 0.25, n))
+    assert bool(calls) == blocks
+    s = np.einsum("bhgld,bhsd->bhgls", q.reshape(B, H, Hq // H, L, D), k) * 0.25
+    s = np.where(np.arange(n + L)[None] - n <= np.arange(L)[:, None], s, -np.inf)  # causal, aligned to the end
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    assert got.shape == (B, H, n)
+    np.testing.assert_allclose(got, w[..., :n].max(axis=(2, 3)), rtol=1e-5, atol=1e-6)
 
 
 def test_feeding_the_last_rows_again_recomputes_them(tiny_model, tokens):

@@ -13,7 +13,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv.presses.base import BasePress, check_ints
-from nestedkv.probe import probe, probe_attention
+from nestedkv.probe import peak_context_weights, probe
 from nestedkv.selection import N_SINK
 
 
@@ -57,12 +57,8 @@ class KVzipPress(BasePress):
             a = starts[layer]
             b = starts[layer] = min(a + self.chunk, n)
             sink = min(N_SINK, a)
-
-            def chunk_rows(x):
-                return mx.concatenate([x[..., :sink, :], x[..., a:b, :], x[..., n:, :]], axis=2)
-
-            _, weights = probe_attention(queries, chunk_rows(keys), chunk_rows(values), scale, sink + b - a)
-            parts[layer].append(mx.max(weights[..., sink:], axis=2))  # [B, H, b - a]
+            rows = mx.concatenate([keys[..., :sink, :], keys[..., a:b, :], keys[..., n:, :]], axis=2)
+            parts[layer].append(peak_context_weights(queries, rows, scale, sink + b - a)[..., sink:])  # [B, H, b - a]
             return None  # the layer attends as always, to the whole cache
 
         feeds = [prompt + tokens[max(a - self.overlap, 0) : a + self.chunk] for a in range(0, n, self.chunk)]
