@@ -15,6 +15,7 @@ _HOME = {
     "nestedkv.cache": ("NestedKVCache", "clone", "compress", "make_cache", "model_scores", "press_of", "rewind",
                        "stack", "take"),
     "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "compared_methods", "get_press"),  # and every press class, below
+    "nestedkv.probe": ("Instruction",),
     "nestedkv.quant": ("KVQuant",),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}

@@ -23,6 +23,7 @@ from nestedkv.buffers import check_divides, check_hadamard
 from nestedkv.kvcache import NestedKVCache, check_context_len, route
 from nestedkv.layer_kinds import FULL, copy_layer, is_kept_as_is, kind_of, remember_context, restore_context
 from nestedkv.press import BasePress
+from nestedkv.probe import Instruction
 from nestedkv.rope import model_rope
 
 
@@ -115,7 +116,8 @@ def _check_cache(cache) -> None:
 def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     """Compress every full-attention layer once, after the last chunk of the context (the layers mlx-lm keeps
     as is stay so); evaluates the result. A press that scores with the model (``needs_model``) needs ``model``
-    and the context's ``tokens``; ``prompt``: the tokens of its instruction (KVzip's "repeat the context").
+    and the context's ``tokens``; ``prompt``: its instruction (KVzip's "repeat the context"), a
+    ``nestedkv.Instruction`` or a token list.
     ``scores``: what ``model_scores`` gave for this context under a press of the same ``scoring_key`` (a
     sweep scores once for all its budgets)."""
     _check_cache(cache)
@@ -147,7 +149,7 @@ def model_scores(cache, model, tokens, prompt=()) -> list:
     if len(tokens) != full[0].stored:
         raise ValueError(f"press {press.name!r}: {len(tokens)} tokens given for a cache of {full[0].stored} "
                          "context positions")
-    return press.model_scores(model, cache, list(tokens), list(prompt))
+    return press.model_scores(model, cache, list(tokens), Instruction.of(prompt))
 
 
 def press_of(cache) -> BasePress:

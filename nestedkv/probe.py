@@ -9,6 +9,7 @@ queries and keys of every call to the cache's ``observe``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -17,6 +18,29 @@ from mlx_lm.models.cache import KVCache
 
 from nestedkv import _cpu
 from nestedkv.attention import LOG2E, MIN_ROWS, install_attention_hook, numpy_softmax, row_plan
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """What a press feeds after the context before repeating a chunk of it (KVzip's "repeat the context"), in
+    the model's tokens: ``first`` before the first chunk; ``resume`` before each later one, followed by the
+    last tokens before that chunk (where the repetition resumes); ``suffix`` after either (a chat template's
+    change to the assistant's turn). A plain token list is ``first`` and ``resume`` alike, with no suffix."""
+
+    first: tuple = ()
+    resume: Optional[tuple] = None  # None: first
+    suffix: tuple = ()
+
+    @classmethod
+    def of(cls, prompt) -> "Instruction":
+        if isinstance(prompt, cls):
+            return prompt
+        return cls(tuple(int(t) for t in prompt))
+
+    def feed(self, resume_after: Sequence[int], chunk: Sequence[int], first: bool) -> list[int]:
+        """The tokens fed to repeat ``chunk``, ``resume_after`` being the context just before it."""
+        head = list(self.first) if first else [*(self.first if self.resume is None else self.resume), *resume_after]
+        return [*head, *self.suffix, *chunk]
 
 
 class ProbeCache(KVCache):

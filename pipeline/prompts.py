@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestedkv.probe import Instruction
+
+# KVzip's reconstruction instructions (the paper's wording). The context ends with a blank line (build_prompt).
+REPEAT_FIRST = "Repeat the previous context exactly."
+REPEAT_RESUME = "Repeat the part of the previous context exactly, starting with"
 # A marker no document contains; the rendered template is cut there.
 _SPLIT = "\u241eNKV-QUESTION\u241e"
 
@@ -56,3 +61,11 @@ def build_prompt(tokenizer, document: str, instruction: str) -> PromptParts:
 def encode(tokenizer, text: str) -> list[int]:
     # The template already holds the special tokens; do not let the tokenizer add a BOS again.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def repeat_instruction(tokenizer) -> Instruction:
+    """KVzip's "repeat the context" asked as a question is: after the compressed context, in the user's turn,
+    followed by the template's change to the assistant's turn, which then repeats each chunk."""
+    turn = build_prompt(tokenizer, "", "").question  # the chat template's text between question and answer
+    return Instruction(tuple(encode(tokenizer, REPEAT_FIRST)), tuple(encode(tokenizer, REPEAT_RESUME)),
+                       tuple(encode(tokenizer, turn)))

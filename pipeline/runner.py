@@ -16,15 +16,12 @@ from nestedkv.layer_kinds import is_hybrid
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import score_answer, score_logits
-from pipeline.prompts import build_prompt, encode, question_text
+from pipeline.prompts import build_prompt, encode, question_text, repeat_instruction
 from pipeline import map_reduce, window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 from pipeline.window import PreparedDocument
 
 Progress = Callable[[int, int], None]
-
-
-REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
 
 
 def _backbone(model):
@@ -198,11 +195,11 @@ class Runner:
         res.peak_kv_prefill_bytes = sum(peaks)
         res.layers = [replace(m, peak_prefill_kv_bytes=p) for m, p in zip(nestedkv.layer_stats(cache), peaks)]
 
-    def repeat_prompt(self) -> list[int]:
+    def repeat_prompt(self) -> nestedkv.Instruction:
         """KVzip's reconstruction instruction, in this model's tokens (encoded once)."""
-        if not hasattr(self, "_repeat_ids"):
-            self._repeat_ids = list(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
-        return self._repeat_ids
+        if not hasattr(self, "_repeat"):
+            self._repeat = repeat_instruction(self.tokenizer)
+        return self._repeat
 
     def answer_all(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
         """Answer every question from the compressed cache, one at a time, rewinding after each."""

@@ -247,3 +247,44 @@ def test_a_sweep_scores_a_document_once_for_all_its_budgets(monkeypatch, name):
         assert len(calls) == 1
         assert [q.output for q in alone.result.questions] == [q.output for q in got.result.questions]
         assert [m.kept_mean for m in alone.result.layers] == [m.kept_mean for m in got.result.layers]
+
+
+class ChatBytes:
+    """Bytes as tokens, with a chat template that marks the user's and the assistant's turns."""
+
+    chat_template = "marks"
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return f"<u>{messages[0]['content']}</u><a>"
+
+
+def test_kvzip_repeats_each_chunk_in_the_assistants_turn(tiny_model, tokens, monkeypatch):
+    from nestedkv.presses import kvzip as kvzip_module
+    from pipeline.prompts import REPEAT_FIRST, REPEAT_RESUME, repeat_instruction
+
+    model, toks = tiny_model("llama"), tokens(N)
+    fed = []
+    real = kvzip_module.probe
+    monkeypatch.setattr(kvzip_module, "probe",
+                        lambda m, c, feeds, *a, **kw: fed.extend(feeds) or real(m, c, feeds, *a, **kw))
+    instruction = repeat_instruction(ChatBytes())
+    assert bytes(instruction.suffix) == b"</u><a>"
+    compress(_prefilled(model, toks, get_press("kvzip", compression_ratio=0.5, chunk=64, overlap=8)),
+             model=model, tokens=toks.tolist(), prompt=instruction)
+    ids = toks.tolist()
+    assert len(fed) == 4  # 200 context tokens in chunks of 64
+    assert fed[0] == [*REPEAT_FIRST.encode(), *b"</u><a>", *ids[:64]]
+    assert fed[1] == [*REPEAT_RESUME.encode(), *ids[56:64], *b"</u><a>", *ids[64:128]]
+    assert fed[3][-8:] == ids[-8:] and len(fed[3]) == len(REPEAT_RESUME) + 8 + 7 + 200 - 192
+
+
+def test_a_plain_token_list_is_the_instruction_before_every_chunk():
+    from nestedkv.probe import Instruction
+
+    plain = Instruction.of([5, 6])
+    assert plain.feed([1, 2], [3, 4], True) == [5, 6, 3, 4]
+    assert plain.feed([1, 2], [3, 4], False) == [5, 6, 1, 2, 3, 4]
+    assert Instruction.of(plain) is plain

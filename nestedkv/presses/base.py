@@ -113,9 +113,9 @@ class BasePress:
                              "nestedkv.compress(cache, model=model, tokens=context_ids) after the prefill")
         raise NotImplementedError
 
-    def model_scores(self, model, cache: list, tokens: list[int], prompt: list[int]) -> list[mx.array]:
+    def model_scores(self, model, cache: list, tokens: list[int], prompt) -> list[mx.array]:
         """One ``[B, H, N]`` score per layer of an uncompressed ``cache`` holding ``tokens`` (the context);
-        ``prompt``: the tokens of an instruction a press may feed (e.g. "repeat the context")."""
+        ``prompt``: the ``nestedkv.Instruction`` a press may feed (e.g. "repeat the context")."""
         raise NotImplementedError
 
     def scoring_key(self) -> str:

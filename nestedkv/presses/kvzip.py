@@ -1,9 +1,10 @@
 """KVzip (arXiv:2505.23416): query-agnostic scores from context reconstruction. After the prefill the model
-reads an instruction to repeat the context followed by the context again, chunk by chunk, attending to the
-whole cache as any forward pass does. A cached key's score is the most attention it gets from the queries
-repeating its own chunk, the softmax taken over that chunk's cached keys, the attention sinks and the fed rows
-(as the paper's implementation scores), per KV head over its query group. About one more prefill of compute,
-counted as compression."""
+reads an instruction to repeat the context (``nestedkv.Instruction``: in a chat model's user turn, then the
+change to the assistant's turn) followed by the context again, chunk by chunk, attending to the whole cache as
+any forward pass does. A cached key's score is the most attention it gets from the queries repeating its own
+chunk, the softmax taken over that chunk's cached keys, the attention sinks and the fed rows (as the paper's
+implementation scores), per KV head over its query group. About one more prefill of compute, counted as
+compression."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv.presses.base import BasePress, check_ints
-from nestedkv.probe import peak_context_weights, probe
+from nestedkv.probe import Instruction, peak_context_weights, probe
 from nestedkv.selection import N_SINK
 
 
@@ -25,7 +26,7 @@ class KVzipPress(BasePress):
     needs_model: ClassVar[bool] = True
 
     chunk: int = 512  # context tokens reconstructed per forward pass (each after the repeat instruction)
-    # Context tokens before each later chunk fed again after the instruction, so the model knows where the
+    # Context tokens before each later chunk fed after the resume instruction, so the model knows where the
     # repetition resumes (the paper's implementation feeds the previous chunk's last 8).
     overlap: int = 8
 
@@ -61,7 +62,9 @@ class KVzipPress(BasePress):
             parts[layer].append(peak_context_weights(queries, rows, scale, sink + b - a)[..., sink:])  # [B, H, b - a]
             return None  # the layer attends as always, to the whole cache
 
-        feeds = [prompt + tokens[max(a - self.overlap, 0) : a + self.chunk] for a in range(0, n, self.chunk)]
+        prompt = Instruction.of(prompt)
+        feeds = [prompt.feed(tokens[max(a - self.overlap, 0) : a], tokens[a : a + self.chunk], a == 0)
+                 for a in range(0, n, self.chunk)]
         for _ in probe(model, cache, feeds, observe, self.name):
             mx.eval([p[-1] for p in parts if p])
         return [mx.concatenate(p, axis=-1) if p else None for p in parts]
