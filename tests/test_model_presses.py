@@ -10,10 +10,10 @@ import pytest
 
 import nestedkv
 from nestedkv import compress, layer_stats, make_cache
-from nestedkv.press import get_press
+from nestedkv.press import PRESSES, get_press
 from nestedkv.presses.kvzip import KVzipPress
 
-MODEL_PRESSES = ["kvzip", "expected_attention"]
+MODEL_PRESSES = [name for name, p in PRESSES.items() if p.needs_model]
 N = 200
 
 
@@ -288,3 +288,19 @@ def test_a_plain_token_list_is_the_instruction_before_every_chunk():
     assert plain.feed([1, 2], [3, 4], True) == [5, 6, 3, 4]
     assert plain.feed([1, 2], [3, 4], False) == [5, 6, 1, 2, 3, 4]
     assert Instruction.of(plain) is plain
+
+
+def test_the_nestedkv_prior_is_the_mean_of_both_ranks(tiny_model, tokens):
+    from nestedkv.presses.kvzip import KVzipNestedPress, _ranks
+
+    model, toks = tiny_model("llama"), tokens(N)
+    cache = _prefilled(model, toks, get_press("kvzip_nestedkv", compression_ratio=0.5))
+    both = nestedkv.model_scores(cache, model, toks.tolist(), [1, 2])
+    alone = nestedkv.model_scores(_prefilled(model, toks, get_press("kvzip", compression_ratio=0.5)), model,
+                                  toks.tolist(), [1, 2])
+    nested = get_press("nestedkv")
+    for c, b, z in zip(cache, both, alone):
+        n = nested.score(c.unrope(c.keys[..., :N, :], 0))
+        np.testing.assert_allclose(np.array(b), np.array((_ranks(z) + _ranks(n)) / 2), atol=1e-6)
+    assert np.array(_ranks(mx.array([[[0.3, -1.0, 2.0]]])))[0, 0].tolist() == [0.5, 0.0, 1.0]
+    assert KVzipNestedPress(compression_ratio=0.5, head_budget="adaptive").layer_keeps(both) == [None] * len(both)

@@ -13,7 +13,9 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from nestedkv import rope
 from nestedkv.presses.base import BasePress, check_ints
+from nestedkv.presses.nestedkv import NestedKVPress
 from nestedkv.probe import Instruction, peak_context_weights, probe
 from nestedkv.selection import N_SINK
 
@@ -68,3 +70,32 @@ class KVzipPress(BasePress):
         for _ in probe(model, cache, feeds, observe, self.name):
             mx.eval([p[-1] for p in parts if p])
         return [mx.concatenate(p, axis=-1) if p else None for p in parts]
+
+
+def _ranks(scores: mx.array) -> mx.array:
+    """Each head's scores ``[B, H, N]`` as ranks in [0, 1] (0: the lowest)."""
+    n = scores.shape[-1]
+    return mx.argsort(mx.argsort(scores, axis=-1), axis=-1).astype(mx.float32) / max(n - 1, 1)
+
+
+@dataclass(frozen=True)
+class KVzipNestedPress(KVzipPress):
+    """A variant measuring whether KVzip's and NestedKV's scores are complementary: each head's keys ranked by
+    the reconstruction and by NestedKV's key-only score (its defaults, unrotated keys), the score the mean of
+    the two ranks (ranks make the two scales comparable without a weight). Not compared by default."""
+
+    name: ClassVar[str] = "kvzip_nestedkv"
+    rank: ClassVar[int] = 12
+    compared: ClassVar[bool] = False
+
+    def layer_keeps(self, scores: list) -> list:
+        return BasePress.layer_keeps(self, scores)  # ranks say nothing of one layer against another
+
+    def model_scores(self, model, cache, tokens, prompt):
+        nested, n = NestedKVPress(), len(tokens)
+        out = []
+        for c, s in zip(cache, super().model_scores(model, cache, tokens, prompt)):
+            keys = rope.required(c.unrope, self.name)(c.keys[..., :n, :], 0)
+            out.append((_ranks(s) + _ranks(nested.score(keys))) / 2)
+            mx.eval(out[-1])
+        return out
