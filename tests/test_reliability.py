@@ -639,6 +639,8 @@ CASES = [
           setup=write_file("m/config.json", b'{"model_type": "llama"}', as_input=False)),
     error("bench-memory-lengths-0", ["bench", "memory", "--lengths", "0"], "--lengths", "1..2147483647"),
     error("bench-model-unknown", ["bench", "kernels", "--model", "no such model!"], "unknown model"),
+    error("bench-press-cost-unknown-press", ["bench", "press-cost", "--press", "nestedkv,nope"], "--press nope",
+          "not a press"),
 
     # ---- the store
     error("db-parent-is-a-file", run_with("--db", "{file}/runs.duckdb"), "cannot create the folder",

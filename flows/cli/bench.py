@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from bench import kernels, long, memory, overhead, peer, quant, rope, throughput
+from bench import kernels, long, memory, overhead, peer, press_cost, quant, rope, throughput
 from bench.peer import DEFAULT_PEER_PYTHON, PeerOptions
 from flows import bench_overhead
 from flows.cli.app import COMMANDS, group
@@ -178,6 +178,28 @@ def bench_overhead_cmd(
     with user_errors():
         overhead.run_overhead(model=model, compression_ratio=compression_ratio, out=out,
                               **_given(input=input, task=task, press=press, max_new_tokens=max_new_tokens))
+
+
+@bench_app.command("press-cost")
+def bench_press_cost(
+    model: str = ModelOpt,
+    context: int = typer.Option(4096, "--context", help="context tokens"),
+    press: Optional[str] = _unset("--press", "presses, comma-separated (default nestedkv,keydiff,kvzip,"
+                                             "expected_attention)"),
+    compression_ratio: float = CompressionOpt,
+    chunk: Optional[int] = _unset("--chunk", "prefill chunk size (default 512)"),
+    repeats: Optional[int] = _unset("--repeats", "timed runs of the prefill and of each compression, the best "
+                                                 "taken (default 1)"),
+    out: Optional[str] = OutOpt,
+):
+    """Each press's compression seconds against the prefill it compresses."""
+    with user_errors():
+        try:
+            press_cost.run_press_cost(model=model, context=context, compression_ratio=compression_ratio, out=out,
+                                      **_given(presses=split_list(press, str, "--press") or None, chunk=chunk,
+                                               repeats=repeats))
+        except ValueError as exc:
+            fail(str(exc))
 
 
 @bench_app.command("long")
