@@ -13,9 +13,9 @@ kvpress runs in its own environment (README, "Side by side with kvpress"), as a 
 4. our engine: each document prefilled once, compressed per configuration, every question answered.
 
 Configurations (``METHODS``): no compression, KeyDiff, AdaKV(KeyDiff) (our keydiff, head budget adaptive),
-Knorm, StreamingLLM, at one compression ratio. kvpress keeps no sink tokens except StreamingLLM's 4, so ours
-run with ``n_sink=0`` (StreamingLLM: 4). Documents/hour is from model compute per document (prefill,
-compression, question and decode): one method, and the five-configuration sweep.
+Knorm, StreamingLLM, KVzip and Expected Attention, at one compression ratio. Ours keep the sink tokens kvpress's
+press keeps: none for KeyDiff and Knorm, 4 for the others. Documents/hour is from model compute per document
+(prefill, compression, question and decode): one method, and the whole sweep.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Method:
     peer_press: Optional[str] = None  # kvpress class name; None: no compression
     peer_adaptive: bool = False  # wrapped in kvpress.AdaKVPress
     peer_kwargs: tuple = ()
+    params: tuple = ()  # our press's other parameters, set to what kvpress's press does
 
 
 METHODS = (
@@ -65,6 +66,11 @@ METHODS = (
     Method("knorm", "knorm", peer_press="KnormPress"),
     # kvpress's StreamingLLM keeps 4 sinks by default; ours is given the same.
     Method("streaming_llm", "streaming_llm", n_sink=4, peer_press="StreamingLLMPress", peer_kwargs=(("n_sink", 4),)),
+    # kvpress's KVzip: 4 sinks, 2,048-token chunks, one budget over every layer and head (its layerwise=False).
+    Method("kvzip", "kvzip", head_budget="adaptive", n_sink=4, peer_press="KVzipPress", params=(("chunk", 2048),)),
+    # kvpress's Expected Attention: 4 sinks, statistics of every context query after them (ours: the recent ones).
+    Method("expected_attention", "expected_attention", n_sink=4, peer_press="ExpectedAttentionPress",
+           params=(("n_recent", 2**31 - 1),)),
 )
 
 
@@ -137,7 +143,8 @@ def our_configs(model: str, ratio: float, max_new_tokens: int, methods: Sequence
         else:
             out.append(RunConfig(task="qa", model=model, press=m.press, compression_ratio=ratio,
                                  # kvpress scores the keys as cached, RoPE included
-                                 head_budget=m.head_budget, press_params={"n_sink": m.n_sink, "unrotate": False},
+                                 head_budget=m.head_budget,
+                                 press_params={"n_sink": m.n_sink, "unrotate": False, **dict(m.params)},
                                  max_new_tokens=max_new_tokens))
     return out
 

@@ -204,11 +204,14 @@ def test_format_report_shows_every_method_and_figure():
 
 def test_methods_match_kvpress_sinks():
     by = {m.label: m for m in bench_peer.METHODS}
-    assert len(by) == 5 and by["keydiff"].n_sink == 0 and by["knorm"].n_sink == 0
+    assert len(by) == 7 and by["keydiff"].n_sink == 0 and by["knorm"].n_sink == 0
     assert by["adakv(keydiff)"].head_budget == "adaptive" and by["adakv(keydiff)"].peer_adaptive
     assert by["streaming_llm"].n_sink == dict(by["streaming_llm"].peer_kwargs)["n_sink"]
     configs = bench_peer.our_configs("smollm2-135m", 0.75, 8)
-    assert [c.make_press().n_sink for c in configs[1:]] == [0, 0, 0, 4]
+    assert [c.make_press().n_sink for c in configs[1:]] == [0, 0, 0, 4, 4, 4]
+    kvzip, ea = configs[-2].make_press(), configs[-1].make_press()
+    assert kvzip.chunk == 2048 and kvzip.head_budget == "adaptive"  # kvpress: chunk_size 2048, layerwise=False
+    assert ea.n_recent >= 10**9 and ea.head_budget == "uniform"  # kvpress: every context query, per head
 
 
 # -- the peer environment -------------------------------------------------------------------------------
