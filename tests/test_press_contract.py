@@ -140,8 +140,8 @@ def test_a_press_declares_a_runs_defaults_on_its_class():
         assert (cfg.head_budget, cfg.compression_ratio) == ("adaptive", 0.75)
         assert (Competing().head_budget, Competing().compression_ratio) == ("uniform", 0.0)  # the library's fields
         assert Competing.defaults()["compression_ratio"] == 0.75  # its bases' run defaults too
-        knorm, nkv = RunConfig(press="knorm"), RunConfig(press="nestedkv")
-        assert (knorm.head_budget, nkv.head_budget) == ("uniform", "adaptive")
+        knorm, nkv, kvzip = RunConfig(press="knorm"), RunConfig(press="nestedkv"), RunConfig(press="kvzip")
+        assert (knorm.head_budget, nkv.head_budget, kvzip.head_budget) == ("uniform", "adaptive", "adaptive")
         # Every run's ratio is the one the base press declares, NestedKV's adding only its head budget
         assert knorm.compression_ratio == nkv.compression_ratio == BasePress.run_defaults["compression_ratio"]
     finally:

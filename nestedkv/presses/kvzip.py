@@ -26,6 +26,9 @@ class KVzipPress(BasePress):
     rank: ClassVar[int] = 10
     compared: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True
+    # Runs take the paper's budget (kvpress's default too, layerwise=False): one threshold over every layer and
+    # head. The field stays uniform, as every press's.
+    run_defaults: ClassVar[dict] = {"head_budget": "adaptive"}
 
     chunk: int = 512  # context tokens reconstructed per forward pass (each after the repeat instruction)
     # Context tokens before each later chunk fed after the resume instruction, so the model knows where the
