@@ -235,7 +235,8 @@ def test_peer_logits_match_ours_on_the_exported_weights(tmp_path):
 def test_peer_worker_compresses_under_kvpress(tmp_path):
     out = export_fp32(str(quantized_dir(tmp_path / "q4")), tmp_path / "export")
     ctx = list(np.random.default_rng(0).integers(1, 256, 64))
-    methods = [m for m in bench_peer.METHODS if m.label in (REFERENCE, "keydiff", "adakv(keydiff)")]
+    methods = [m for m in bench_peer.METHODS if m.label in (REFERENCE, "keydiff", "adakv(keydiff)",
+                                                            "expected_attention")]
     request = {"op": "bench", "model_dir": str(out), "threads": 1, "eos": [0], "max_new_tokens": 3,
                "configs": [bench_peer.peer_config(m, 0.75) for m in methods],
                "documents": [{"doc_id": "d", "context_ids": [int(t) for t in ctx], "questions_ids": [[5, 6], [7]],
@@ -244,6 +245,7 @@ def test_peer_worker_compresses_under_kvpress(tmp_path):
     full = runs[REFERENCE]["kv_resident_bytes"]
     assert runs["keydiff"]["kv_resident_bytes"] == full // 4  # 16 of 64 rows kept
     assert runs["adakv(keydiff)"]["kv_resident_bytes"] == full  # kvpress's AdaKV masks rows, keeps them
+    assert runs["expected_attention"]["kv_resident_bytes"] == full // 4  # 4 sinks among its 16 rows
     assert all(len(r["answers"]) == 2 and all(n <= 3 for n in r["n_generated"]) for r in runs.values())
 
 
