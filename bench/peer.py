@@ -66,8 +66,9 @@ METHODS = (
     Method("knorm", "knorm", peer_press="KnormPress"),
     # kvpress's StreamingLLM keeps 4 sinks by default; ours is given the same.
     Method("streaming_llm", "streaming_llm", n_sink=4, peer_press="StreamingLLMPress", peer_kwargs=(("n_sink", 4),)),
-    # kvpress's KVzip: 4 sinks, 2,048-token chunks, one budget over every layer and head (its layerwise=False).
-    Method("kvzip", "kvzip", head_budget="adaptive", n_sink=4, peer_press="KVzipPress", params=(("chunk", 2048),)),
+    # kvpress's KVzip: 4 sinks, 2,048-token chunks (our default too), one budget over every layer and head
+    # (its layerwise=False).
+    Method("kvzip", "kvzip", head_budget="adaptive", n_sink=4, peer_press="KVzipPress"),
     # kvpress's Expected Attention: 4 sinks, statistics of every context query after them (ours: the recent ones).
     Method("expected_attention", "expected_attention", n_sink=4, peer_press="ExpectedAttentionPress",
            params=(("n_recent", 2**31 - 1),)),

@@ -9,7 +9,8 @@ Requests (JSON): ``{"op": "probe", ...}`` writes the logits of ``probe_ids`` to 
 ``{"op": "bench", ...}`` runs every document under every configuration with kvpress's press context manager
 (``with press(model): model.model(context)``, one forward pass, as kvpress prefills) and answers each
 question greedily on top of the compressed cache, the question at positions after the original context,
-then crops the cache back to the context, which is the protocol of kvpress's own pipeline.
+then crops the cache back to the context, which is the protocol of kvpress's own pipeline;
+``{"op": "kvzip_scores", ...}`` writes kvpress's KVzip scores of one context (``kvzip_scores``).
 """
 
 from __future__ import annotations
@@ -140,9 +141,38 @@ def bench(req: dict) -> dict:
             "wall_s": time.perf_counter() - t0, "documents": docs, "peak_rss_bytes": peak_rss()}
 
 
+def kvzip_scores(req: dict) -> dict:
+    """kvpress's KVzip scores of ``context_ids`` (``[layers, kv heads, n]``, to ``scores_out``, .npy) with
+    ``chunk_size``-token chunks from the first token (no chat prefix left unscored), before its sinks are
+    raised; with the instruction ids it fed, so our side feeds the same."""
+    model, _ = load(req["model_dir"], req["threads"])
+    seen: dict = {}
+
+    class Recording(kvpress.KVzipPress):
+        def _perform_kvzip_compression(self, model, tokenizer):
+            self.prefix_length = 0
+            seen["suffix"] = self._suffix_ids[0].tolist()
+            return super()._perform_kvzip_compression(model, tokenizer)
+
+        def prepare(self, model, tokenizer, prev_postfix_size=8):
+            pairs = super().prepare(model, tokenizer, prev_postfix_size)
+            seen["feeds"] = [r[0].tolist() for _, r in pairs]
+            return pairs
+
+        def compress_post(self, model):
+            seen["scores"] = self.score_val[:, 0].float().numpy().copy()
+            return super().compress_post(model)
+
+    press = Recording(compression_ratio=0.5, chunk_size=req["chunk_size"])
+    with torch.inference_mode(), press(model):
+        model.model(input_ids=torch.tensor([req["context_ids"]]), past_key_values=DynamicCache())
+    np.save(req["scores_out"], seen["scores"])
+    return {"versions": _versions(), "suffix": seen["suffix"], "feeds": seen["feeds"]}
+
+
 def main(argv: list) -> int:
     req = json.loads(open(argv[1]).read())
-    out = {"probe": probe, "bench": bench}[req["op"]](req)
+    out = {"probe": probe, "bench": bench, "kvzip_scores": kvzip_scores}[req["op"]](req)
     with open(argv[2], "w") as f:
         json.dump(out, f)
     return 0

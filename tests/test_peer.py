@@ -249,6 +249,38 @@ def test_peer_worker_compresses_under_kvpress(tmp_path):
     assert all(len(r["answers"]) == 2 and all(n <= 3 for n in r["n_generated"]) for r in runs.values())
 
 
+@peer
+def test_kvzip_scores_match_kvpress_over_several_chunks(tmp_path):
+    """Score for score against kvpress's KVzip on the same weights, context and fed ids, three chunks (the
+    last one short): each chunk's softmax over its sinks, itself and the fed rows, the max over the queries
+    and the query group. Before, only whole-document answers were compared, on contexts of one chunk."""
+    from nestedkv import make_cache
+    from nestedkv.probe import Instruction
+    from nestedkv.presses.kvzip import KVzipPress
+    from pipeline.models import load_model
+
+    src = quantized_dir(tmp_path / "q4")
+    out = export_fp32(str(src), tmp_path / "export")
+    chunk, ctx = 48, [int(t) for t in np.random.default_rng(1).integers(1, 256, 120)]
+    got = bench_peer.call_peer(str(PEER_PYTHON), {"op": "kvzip_scores", "model_dir": str(out), "threads": 1,
+                                                  "context_ids": ctx, "chunk_size": chunk,
+                                                  "scores_out": str(tmp_path / "s.npy")}, tmp_path)
+    theirs, suffix, feeds = np.load(tmp_path / "s.npy"), got["suffix"], got["feeds"]
+    assert len(feeds) == 3
+    first = feeds[0][: -(len(suffix) + chunk)]
+    resume = feeds[1][: -(len(suffix) + 8 + chunk)]
+    prompt = Instruction(tuple(first), tuple(resume), tuple(suffix))
+    assert [prompt.feed(ctx[max(a - 8, 0):a], ctx[a:a + chunk], a == 0) for a in (0, 48, 96)] == feeds
+
+    model, _ = load_model(str(src), dtype="float32")
+    cache = make_cache(model)
+    model(mx.array(ctx)[None], cache=cache)
+    ours = KVzipPress(compression_ratio=0.5, chunk=chunk).model_scores(model, cache, ctx, prompt)
+    ours = np.stack([np.array(s[0]) for s in ours])  # [layers, kv heads, n]
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=1e-6)
+
+
 def test_nkv_bench_peer_refuses_without_the_environment(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
