@@ -118,6 +118,8 @@ def _reduce(runner, res: DocumentResult, summaries: list[str], press, on_prefill
 def _add_costs(res: DocumentResult, part: DocumentResult) -> None:
     """A part's times add up; its peaks count where they are the largest (parts run one after another)."""
     res.prefill_s += part.prefill_s
+    res.prefill_compute_s = None if None in (res.prefill_compute_s, part.prefill_compute_s) else \
+        res.prefill_compute_s + part.prefill_compute_s
     res.compress_s += part.compress_s
     for name in ("peak_prefill_bytes", "peak_decode_bytes", "peak_kv_prefill_bytes", "peak_kv_decode_bytes"):
         setattr(res, name, max(getattr(res, name), getattr(part, name)))

@@ -22,7 +22,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -63,6 +63,11 @@ def model_identity(model_ref: str) -> str:
     return json.dumps([str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files])
 
 
+class Entry(NamedTuple):
+    cache: list
+    prefill_s: Optional[float]  # the seconds computing it took, which a re-run's load does not show
+
+
 class PrefillCache:
     """``get``/``put`` uncompressed caches under a folder, at most ``max_gb`` on disk."""
 
@@ -88,8 +93,8 @@ class PrefillCache:
         """The cache's own entries in the folder (every other file is the user's)."""
         return [p for p in self.folder.iterdir() if ENTRY.fullmatch(p.name) and p.is_file()]
 
-    def get(self, key: str, n_tokens: int) -> Optional[list]:
-        """The cache stored under ``key``, or None (missing, unreadable, or not ``n_tokens`` positions)."""
+    def load(self, key: str, n_tokens: int) -> Optional[Entry]:
+        """The entry stored under ``key``, or None (missing, unreadable, or not ``n_tokens`` positions)."""
         path = self._path(key)
         if not path.is_file():
             return None
@@ -97,20 +102,27 @@ class PrefillCache:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
             if meta.get("key") != key or any(getattr(c, "offset", n_tokens) != n_tokens or getattr(c, "compressed", False) for c in cache):
                 raise ValueError("entry does not match its key")
+            seconds = float(meta["prefill_s"]) if "prefill_s" in meta else None  # None: stored before it was kept
         except Exception as exc:  # a damaged or foreign file costs a prefill, never the document
             log.warning("prefill cache entry %s ignored (%s: %s); prefilling again", path.name, type(exc).__name__, exc)
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used
-        return cache
+        return Entry(cache, seconds if seconds is not None and math.isfinite(seconds) else None)
 
-    def put(self, key: str, cache: list) -> None:
-        """Store ``cache`` (written to a temporary file, then renamed: readers never see half a file)."""
+    def get(self, key: str, n_tokens: int) -> Optional[list]:
+        entry = self.load(key, n_tokens)
+        return None if entry is None else entry.cache
+
+    def put(self, key: str, cache: list, prefill_s: Optional[float] = None) -> None:
+        """Store ``cache`` and the seconds computing it took (written to a temporary file, then renamed:
+        readers never see half a file)."""
         (self.folder / PARTIAL).mkdir(parents=True, exist_ok=True)  # the folder too, if removed since
         fd, tmp = tempfile.mkstemp(dir=self.folder / PARTIAL, suffix=SUFFIX)
         os.close(fd)
+        meta = {"key": key} if prefill_s is None else {"key": key, "prefill_s": repr(float(prefill_s))}
         try:
-            save_prompt_cache(tmp, cache, {"key": key})
+            save_prompt_cache(tmp, cache, meta)
             os.replace(tmp, self._path(key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

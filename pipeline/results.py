@@ -43,7 +43,10 @@ class DocumentResult:
     read_mode: str = "whole"  # whole (fits the window), stream (read past it) or truncate (its middle cut)
     status: str = OK
     error: Optional[str] = None
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # this run's: the load time when the prefill came from the prefill cache
+    # The seconds computing that prefill took (here, or in the run that stored the cache entry): what
+    # compression's cost is measured against. None: loaded from an entry stored before it was kept.
+    prefill_compute_s: Optional[float] = 0.0
     compress_s: float = 0.0
     peak_prefill_bytes: int = 0
     peak_decode_bytes: int = 0

@@ -44,6 +44,42 @@ def test_a_new_budget_reuses_the_prefill_and_answers_the_same(setup):
     assert got == want and all(r["output"] is not None for r in got)
 
 
+def seconds(db):
+    with Store(db, read_only=True) as s:
+        return s.query("SELECT r.press, o.doc_id, any_value(o.prefill_s) AS s, any_value(o.prefill_compute_s) AS c "
+                       "FROM outputs o JOIN runs r USING (run_id) GROUP BY ALL ORDER BY ALL").to_pylist()
+
+
+def test_a_loaded_prefill_keeps_the_seconds_it_took_to_compute(setup):
+    """Compression's cost is over the prefill's computed seconds: a re-run from the cache once reported the
+    load time instead (KVzip at 1,590x its prefill in the suite)."""
+    tmp, base, batch, prefills = setup
+    cached = EngineOptions(prefill_cache=str(tmp / "pc"))
+    engine.run(batch, make_configs(base, ["keydiff"], [0.5]), tmp / "a.duckdb", cached)
+    engine.run(batch, make_configs(base, ["knorm"], [0.5]), tmp / "a.duckdb", cached)
+    rows = {(r["press"], r["doc_id"]): r for r in seconds(tmp / "a.duckdb")}
+    for doc in {d for _, d in rows}:
+        computed, loaded = rows[("keydiff", doc)], rows[("knorm", doc)]
+        assert computed["s"] == computed["c"] > 0  # computed here: the same seconds
+        assert loaded["c"] == computed["c"]  # loaded: the seconds of the run that stored it
+        assert loaded["s"] != loaded["c"]  # and its own (load) time apart
+
+
+def test_an_entry_stored_without_its_seconds_leaves_them_unknown(tmp_path, tiny_model):
+    import mlx.core as mx
+
+    from nestedkv import make_cache
+
+    model = tiny_model()
+    cache = make_cache(model)
+    model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    store = PrefillCache(str(tmp_path / "pc"))
+    store.put("a" * 64, cache)  # as entries were stored before they kept their seconds
+    store.put("b" * 64, cache, 12.5)
+    assert store.load("a" * 64, 4).prefill_s is None and store.load("b" * 64, 4).prefill_s == 12.5
+    assert store.get("a" * 64, 4) is not None  # still served: only the seconds are unknown
+
+
 def test_a_batch_opens_its_prefill_cache_once_and_survives_its_removal(setup, monkeypatch):
     import shutil
 

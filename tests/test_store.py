@@ -425,8 +425,8 @@ CREATE TABLE input_errors (run_id VARCHAR, source VARCHAR, row_number INTEGER, d
 CREATE VIEW memory_savings AS SELECT run_id FROM runs;
 INSERT INTO runs (run_id, press, config_hash, status) VALUES ('old-run', 'nestedkv', 'h', 'completed');
 INSERT INTO documents VALUES ('d0', 'sha0', 10, 5, 'Old');
-INSERT INTO outputs (run_id, doc_id, content_sha256, question_idx, status, n_tokens)
-  VALUES ('old-run', 'd0', 'sha0', 0, 'ok', 5);
+INSERT INTO outputs (run_id, doc_id, content_sha256, question_idx, status, n_tokens, prefill_s)
+  VALUES ('old-run', 'd0', 'sha0', 0, 'ok', 5, 2.5);
 INSERT INTO layer_memory (run_id, doc_id, content_sha256, layer, bytes_full, bytes_kept, bytes_resident)
   VALUES ('old-run', 'd0', 'sha0', 0, 1000, 400, 500);
 """
@@ -451,6 +451,8 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path):
         assert s.query("SELECT run_id, status, host FROM runs").to_pylist() == [
             {"run_id": "old-run", "status": "completed", "host": None}]
         assert s.query("SELECT n_tokens FROM outputs").column(0).to_pylist() == [5]
+        # an old row's prefill was computed as far as it knows (the prefill cache kept no seconds then)
+        assert s.query("SELECT prefill_compute_s FROM outputs").column(0).to_pylist() == [2.5]
         assert s.query("SELECT bytes_kept FROM memory_savings").column(0).to_pylist() == [400]  # view replaced
         # layers stored before hybrid models were all full attention
         assert s.query("SELECT kind FROM layer_memory").column(0).to_pylist() == ["full"]

@@ -214,7 +214,8 @@ def compute(runner, doc: Document, configs: Sequence[RunConfig], *, reference: O
 
 def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, hooks: Hooks):
     """The uncompressed prefill every whole-context configuration starts from: from the prefill cache
-    when one is configured and holds it (``prefill_s`` is then the load time), else computed (and stored)."""
+    when one is configured and holds it (``prefill_s`` is then the load time, ``prefill_compute_s`` the
+    seconds the entry took to compute), else computed (and stored with its seconds)."""
     if not options.prefill_cache:
         return runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
     store = open_cache(options.prefill_cache, options.prefill_cache_gb)
@@ -222,13 +223,14 @@ def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, 
     key = store.key(runner.config.model, prepared.context_ids, runner.config.prefill_step_size)
     t0 = time.perf_counter()
     mx.reset_peak_memory()
-    cache = store.get(key, n)
-    if cache is None:
+    entry = store.load(key, n)
+    if entry is None:
         cache = runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
-        store.put(key, cache)
+        store.put(key, cache, res.prefill_s)
         return cache
+    cache = entry.cache
     nestedkv.reset_peak(cache)
-    res.prefill_s = time.perf_counter() - t0
+    res.prefill_s, res.prefill_compute_s = time.perf_counter() - t0, entry.prefill_s
     res.peak_prefill_bytes = mx.get_peak_memory()
     if hooks.on_prefill:
         hooks.on_prefill(n, n)

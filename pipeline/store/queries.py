@@ -77,9 +77,10 @@ GROUP BY r.config_hash, m.run_id, m.doc_id, r.created_at
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, m.doc_id ORDER BY r.created_at DESC, m.run_id DESC) = 1
 """
 
-# Seconds per document (each question's row repeats them), latest ok run per (configuration, document).
+# Seconds per document (each question's row repeats them), latest ok run per (configuration, document); the
+# prefill's as computed, not the load time of a prefill cache entry (NULL: an entry that did not keep them).
 COSTS_SQL = f"""
-SELECT r.config_hash, o.doc_id, any_value(o.prefill_s) AS prefill_s, any_value(o.compress_s) AS compress_s
+SELECT r.config_hash, o.doc_id, any_value(o.prefill_compute_s) AS prefill_s, any_value(o.compress_s) AS compress_s
 FROM outputs o JOIN runs r ON r.run_id = o.run_id
 WHERE r.config_hash IN (SELECT unnest($hashes)) AND o.content_sha256 IN (SELECT unnest($docs))
 GROUP BY r.config_hash, o.run_id, o.doc_id, r.created_at HAVING bool_and(o.status = '{OK}')

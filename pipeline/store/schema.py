@@ -3,6 +3,8 @@ that creates or migrates a store before anything is written to it."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import duckdb
 import pyarrow as pa
 
@@ -17,6 +19,9 @@ RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 
 # Columns added since that need a value in old rows: every layer stored before hybrid models was full attention.
 COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'"}
+# Columns added since whose old rows take another column's value: rows stored before the prefill cache kept
+# its seconds counted a prefill as computed.
+COPIED = {("outputs", "prefill_compute_s"): "prefill_s"}
 # Columns added after runs were stored, as their values follow from a run's config_json (``{r}``: the
 # runs table's alias): what a migration fills in, and what a read-only open of an unmigrated store reads.
 # The hash leaves the settings out at their old values (nestedkv.compat), hence the defaults here.
@@ -52,6 +57,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("decode_s", _F), ("prefill_tok_s", _F), ("decode_tok_s", _F), ("peak_prefill_bytes", _B),
         ("peak_decode_bytes", _B), ("peak_kv_prefill_bytes", _B), ("peak_kv_decode_bytes", _B),
         ("read_mode", _S),  # how a document was read: whole, stream (past the window) or truncate
+        ("prefill_compute_s", _F),  # prefill_s as computed: differs when loaded from the prefill cache
     ],
     "layer_memory": [
         ("run_id", _S), ("doc_id", _S), ("content_sha256", _S), ("layer", _I), ("n_kv_heads", _I),
@@ -126,17 +132,19 @@ def create_or_migrate(con: duckdb.DuckDBPyConnection, keys: bool) -> None:
         "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database()"
     ).fetchall())
     tables = {t for t, _ in have}
+    updates = defaultdict(list)
     for name, cols in TABLES.items():
         con.execute(ddl(name, keys=keys))
-        derived = []
         for c, t in cols:
             if name in tables and (name, c) not in have:  # a column added since the table was created
                 default = COLUMN_DEFAULTS.get((name, c))
                 con.execute(f"ALTER TABLE {name} ADD COLUMN {c} {t[0]}" + (f" DEFAULT {default}" if default else ""))
                 if name == "runs" and c in DERIVED:
-                    derived.append(f"{c} = {DERIVED[c].format(r='')}")
-        if derived:  # one UPDATE after every ALTER: DuckDB 1.5 fails the commit of an ALTER after an UPDATE
-            con.execute(f"UPDATE {name} SET {', '.join(derived)}")
+                    updates[name].append(f"{c} = {DERIVED[c].format(r='')}")
+                if (name, c) in COPIED:
+                    updates[name].append(f"{c} = {COPIED[(name, c)]}")
+    for name, sets in updates.items():  # after every ALTER: DuckDB 1.5 fails the commit of an ALTER after an UPDATE
+        con.execute(f"UPDATE {name} SET {', '.join(sets)}")
     for sql in VIEWS.values():  # replaced on every writable open, so view changes reach old stores
         con.execute(sql)
     con.execute("DELETE FROM schema_version")

@@ -147,7 +147,8 @@ def costs(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict, r
     """(length, config hash) -> mean prefill and compression seconds per document, and whether the hash is
     the uncompressed ``reference`` (whose prefill is what compression is an overhead on)."""
     return _per_length(store.costs_by_document(hashes, docs), doc_length, lambda rows: {
-        "prefill_s": _mean([r["prefill_s"] for r in rows]), "compress_s": _mean([r["compress_s"] for r in rows]),
+        "prefill_s": math.nan if any(r["prefill_s"] is None for r in rows) else _mean([r["prefill_s"] for r in rows]),
+        "compress_s": _mean([r["compress_s"] for r in rows]),
         "reference": rows[0]["config_hash"] == reference})
 
 
