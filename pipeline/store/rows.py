@@ -60,7 +60,8 @@ def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
     """One row per question; a document without questions (failed early) still gets one row for its status."""
     doc = {
         "run_id": run_id, "doc_id": r.doc_id, "content_sha256": r.content_sha256, "n_tokens": r.n_tokens,
-        "prefill_s": r.prefill_s, "prefill_compute_s": r.prefill_compute_s, "compress_s": r.compress_s, "prefill_tok_s": r.prefill_tok_s,
+        "prefill_s": r.prefill_s, "prefill_compute_s": r.prefill_compute_s, "compress_s": r.compress_s,
+        "prefill_tok_s": r.prefill_tok_s,
         "peak_prefill_bytes": r.peak_prefill_bytes, "peak_decode_bytes": r.peak_decode_bytes,
         # getattr: filled once DocumentResult carries peak KV bytes; NULL before.
         "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
