@@ -10,7 +10,8 @@ Requests (JSON): ``{"op": "probe", ...}`` writes the logits of ``probe_ids`` to 
 (``with press(model): model.model(context)``, one forward pass, as kvpress prefills) and answers each
 question greedily on top of the compressed cache, the question at positions after the original context,
 then crops the cache back to the context, which is the protocol of kvpress's own pipeline;
-``{"op": "kvzip_scores", ...}`` writes kvpress's KVzip scores of one context (``kvzip_scores``).
+``{"op": "kvzip_scores", ...}`` writes kvpress's KVzip scores of one context (``kvzip_scores``);
+``{"op": "scorer_scores", ...}`` those of one of its scorer presses (``scorer_scores``).
 """
 
 from __future__ import annotations
@@ -170,9 +171,31 @@ def kvzip_scores(req: dict) -> dict:
     return {"versions": _versions(), "suffix": seen["suffix"], "feeds": seen["feeds"]}
 
 
+def scorer_scores(req: dict) -> dict:
+    """The scores ``[layers, kv heads, n]`` (to ``scores_out``, .npy) kvpress's scorer press ``press`` (class
+    name, with ``kwargs``) gives ``context_ids`` in one prefill, as it returns them to its compression (its
+    sinks padded in)."""
+    model, _ = load(req["model_dir"], req["threads"])
+    seen: dict = {}
+    base = getattr(kvpress, req["press"])
+
+    class Recording(base):
+        def score(self, module, *args, **kwargs):
+            scores = super().score(module, *args, **kwargs)
+            seen[module.layer_idx] = scores[0].float().numpy().copy()
+            return scores
+
+    press = Recording(compression_ratio=0.5, **req.get("kwargs", {}))
+    with torch.inference_mode(), press(model):
+        model.model(input_ids=torch.tensor([req["context_ids"]]), past_key_values=DynamicCache())
+    np.save(req["scores_out"], np.stack([seen[i] for i in sorted(seen)]))
+    return {"versions": _versions()}
+
+
 def main(argv: list) -> int:
     req = json.loads(open(argv[1]).read())
-    out = {"probe": probe, "bench": bench, "kvzip_scores": kvzip_scores}[req["op"]](req)
+    out = {"probe": probe, "bench": bench, "kvzip_scores": kvzip_scores,
+           "scorer_scores": scorer_scores}[req["op"]](req)
     with open(argv[2], "w") as f:
         json.dump(out, f)
     return 0

@@ -281,6 +281,37 @@ def test_kvzip_scores_match_kvpress_over_several_chunks(tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=1e-6)
 
 
+@peer
+@pytest.mark.parametrize("use_covariance", [False, True])
+def test_expected_attention_scores_match_kvpress(tmp_path, use_covariance):
+    """Score for score against kvpress's Expected Attention, its statistics from every query after the 4
+    sinks, as ``nkv bench peer`` sets ours. kvpress's softmax leaves the sinks out and ours does not, which
+    scales each head's scores by one factor (the attention its sinks take), so each head is compared
+    normalized: the order within a head, hence a uniform budget's choice, is the same."""
+    from nestedkv import make_cache
+    from nestedkv.presses.expected_attention import ExpectedAttentionPress
+    from pipeline.models import load_model
+
+    src = quantized_dir(tmp_path / "q4")
+    out = export_fp32(str(src), tmp_path / "export")
+    ctx = [int(t) for t in np.random.default_rng(1).integers(1, 256, 120)]
+    bench_peer.call_peer(str(PEER_PYTHON), {"op": "scorer_scores", "model_dir": str(out), "threads": 1,
+                                            "press": "ExpectedAttentionPress",
+                                            "kwargs": {"use_covariance": use_covariance}, "context_ids": ctx,
+                                            "scores_out": str(tmp_path / "s.npy")}, tmp_path)
+    theirs = np.load(tmp_path / "s.npy")[..., 4:]
+
+    model, _ = load_model(str(src), dtype="float32")
+    cache = make_cache(model)
+    model(mx.array(ctx)[None], cache=cache)
+    press = ExpectedAttentionPress(compression_ratio=0.5, n_recent=len(ctx) - 4, n_sink=4,
+                                   use_covariance=use_covariance)
+    ours = np.exp(np.stack([np.array(s[0]) for s in press.model_scores(model, cache, ctx, None)]))[..., 4:]
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours / ours.sum(-1, keepdims=True), theirs / theirs.sum(-1, keepdims=True),
+                               rtol=2.5e-3)
+
+
 def test_nkv_bench_peer_refuses_without_the_environment(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

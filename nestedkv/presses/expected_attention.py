@@ -37,7 +37,8 @@ def expected_attention_scores(queries: mx.array, keys: mx.array, values: mx.arra
     logits = (logits_mu @ k.swapaxes(-1, -2)) * scale  # [B, H, g, N]
     if use_covariance and L > 1:
         centred = q - mu[..., None, :]
-        cov = (centred.swapaxes(-1, -2) @ centred) / (L - 1)  # [B, H, g, D, D]
+        # Over L, not L - 1, as the reference implementation: the scores then match kvpress's.
+        cov = (centred.swapaxes(-1, -2) @ centred) / L  # [B, H, g, D, D]
         if rotation is not None:
             cov = rotation.T @ cov @ rotation
         quad = mx.sum((k[:, :, None] @ cov) * k[:, :, None], axis=-1)  # [B, H, g, N]
