@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import pyarrow.parquet as pq
 
+from pipeline import models
 from pipeline.config import RunConfig
 from pipeline.engine import EngineOptions, Hooks, run
 from pipeline.store import Store
@@ -48,7 +49,7 @@ def ablate(
     check_variants(names)
     base = RunConfig(task="qa", model=model, press="no_press", compression_ratio=0.0,
                      max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size)
-    configs = variant_configs(base, names, ratios)
+    configs = {models.keyed(c): key for c, key in variant_configs(base, names, ratios).items()}
     with tempfile.TemporaryDirectory(prefix="nkv-ablation-") as tmp:
         source = input if not limit else _first(input, limit, Path(tmp))
         store_path = db or str(Path(tmp) / "ablation.duckdb")

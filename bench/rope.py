@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from nestedkv import NoPress, make_cache, scoring
-from nestedkv.rope import model_unrope
+from nestedkv.cache import full_layers
 from pipeline import models  # models.load_model looked up at each call: tests stand a tiny model in for it
 from pipeline.prompts import encode
 from pipeline.runner import prefill
@@ -82,16 +82,16 @@ def run(model_ref: str, context: int, step: int = 512, seed: int = 0, log=print)
     if context <= scoring.WINDOW:
         raise ValueError(f"--context must be more than {scoring.WINDOW} tokens, got {context}")
     model, tok = models.load_model(model_ref)
-    unrope = model_unrope(model)
-    if unrope is None:
-        raise ValueError(f"model {model_ref!r} has no rope module to undo")
     text = summary_documents(token_counter(tok), [context], 1, seed)[0]["text"]
     ids = encode(tok, text)
     cache = make_cache(model, NoPress())
+    rotated = [c for c in full_layers(cache) if c.rope_spec and c.rope_spec["dims"]]
+    if not rotated:
+        raise ValueError(f"model {model_ref!r} has no layer whose keys carry a rope nestedkv can undo")
     prefill(model, cache, ids, step)
     layers = []
-    for c in cache:
-        layers.append(rotation_effect(c.keys[..., : c.stored, :], unrope))
+    for c in rotated:
+        layers.append(rotation_effect(c.keys[..., : c.stored, :], c.unrope))
         mx.clear_cache()
     res = {"model": model_ref, "n_tokens": len(ids), "n_layers": len(layers), **summarize(layers)}
     log(format_report(res))

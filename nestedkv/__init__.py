@@ -12,8 +12,8 @@ from nestedkv._platform import enable_cpu_fast_path
 _HOME = {
     "nestedkv.accounting": ("LayerMemory", "layer_stats", "peak_kv_bytes", "reset_peak"),
     "nestedkv.attention": ("head_mask", "install_attention_hook"),
-    "nestedkv.cache": ("NestedKVCache", "clone", "compress", "make_cache", "model_scores", "press_of", "rewind",
-                       "stack", "take"),
+    "nestedkv.cache": ("NestedKVCache", "check_model", "clone", "compress", "make_cache", "model_scores", "press_of",
+                       "rewind", "stack", "take"),
     "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "compared_methods", "get_press"),  # and every press class, below
     "nestedkv.probe": ("Instruction",),
     "nestedkv.quant": ("KVQuant",),

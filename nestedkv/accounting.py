@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from nestedkv import buffers as buf
+from nestedkv.layer_kinds import SLIDING, STATE, indexed_leaves, leaves
 
-FULL, SLIDING, STATE = "full", "sliding", "state"  # a layer's cache: compressed, window, state (kept as is)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class LayerMemory:
     peak_decode_kv_bytes: int = 0
     # What the layer's cache is: "full" attention (compressed), "sliding" window or "state" (kept as is).
     kind: str = "full"
+    # What this layer ran differently from the run's press, and why (None: the press as given).
+    adapted: Optional[str] = None
 
     @property
     def kept_fraction(self) -> float:
@@ -83,6 +86,7 @@ def layer_memory(c, layer: int) -> LayerMemory:
         bytes_full=B * H * seen * full_row,
         bytes_kept=(int(mx.sum(kept).item()) + B * H * tail) * row_bytes,
         bytes_resident=c.nbytes,
+        adapted=c.adapted,
     )
 
 
@@ -104,18 +108,20 @@ def other_memory(c, layer: int) -> LayerMemory:
 
 
 def layer_stats(cache) -> list[LayerMemory]:
-    """One ``LayerMemory`` per layer of a cache list made by ``make_cache`` (every layer, whatever its kind)."""
-    return [c.memory(i) if hasattr(c, "memory") else other_memory(c, i) for i, c in enumerate(cache)]
+    """One ``LayerMemory`` per cache of a cache list made by ``make_cache`` (every layer, whatever its kind; a
+    layer holding several caches, a ``CacheList``, has one per cache, each with the layer's number)."""
+    return [c.memory(i) if hasattr(c, "memory") else other_memory(c, i) for i, c in indexed_leaves(cache)]
 
 
 def peak_kv_bytes(cache) -> list[int]:
-    """Per layer, the largest resident K/V buffer bytes since the last ``reset_peak`` (or since creation)."""
+    """Per cache (``layer_stats``' order), the largest resident K/V buffer bytes since the last ``reset_peak``
+    (or since creation)."""
     # The layers mlx-lm keeps as is have no peak of their own: what they hold now.
-    return [c.peak_nbytes if hasattr(c, "peak_nbytes") else c.nbytes for c in cache]
+    return [c.peak_nbytes if hasattr(c, "peak_nbytes") else c.nbytes for c in leaves(cache)]
 
 
 def reset_peak(cache) -> None:
     """Start a new peak window on every layer: each peak becomes what the layer holds now."""
-    for c in cache:
+    for c in leaves(cache):
         if hasattr(c, "reset_peak"):  # the layers mlx-lm keeps have no peak of their own
             c.reset_peak()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.base as mlx_base
 import numpy as np
 
@@ -95,7 +96,7 @@ def softmax_attention(queries, keys, values, scale: float, mask):
         s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask.astype(mx.float32) * LOG2E
     p = mx.power(2.0, s - mx.max(s, axis=-1, keepdims=True))
     p = (p / mx.sum(p, axis=-1, keepdims=True)).astype(values.dtype)
-    return (p.reshape(B, H, g * L, S) @ values).reshape(B, Hq, L, D)
+    return (p.reshape(B, H, g * L, S) @ values).reshape(B, Hq, L, values.shape[-1])  # MLA: V's width differs
 
 
 def _by_rows(queries, keys, values, scale, mask, sinks, plan):
@@ -162,10 +163,11 @@ def numpy_softmax(queries, keys, scale: float, causal: bool, plan, reduce=None) 
 
 def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
     """fp32 attention by the row blocks of ``plan``, the softmax in NumPy (``numpy_softmax``)."""
-    B, Hq, L, D = queries.shape
+    B, Hq, L, _ = queries.shape
     H = keys.shape[1]
     weights, spans, _ = numpy_softmax(queries, keys, scale, causal, plan)
-    outs = {a: (p.reshape(B, H, (Hq // H) * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, D)
+    Dv = values.shape[-1]
+    outs = {a: (p.reshape(B, H, (Hq // H) * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, Dv)
             for p, (a, b, end) in zip(weights, spans)}
     return mx.concatenate([outs[a] for a in sorted(outs)], axis=2)
 
@@ -242,18 +244,17 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     return _attend(queries, keys, values, cache, scale, mask, sinks)
 
 
-def _attention_layers(model) -> list:
-    return [getattr(layer, "self_attn", None) or getattr(layer, "attention", None) for layer in model.layers]
-
-
 def install_attention_hook(model, required: bool = True) -> bool:
-    """Route this model's attention layers through ``attention`` (idempotent); the module and other model
-    instances keep mlx-lm's. A model whose attention does not call mlx-lm's function raises when ``required``,
-    else keeps its own attention; returns whether it is routed."""
-    if _routing.route_all(_attention_layers(model), NAME, _sdpa, attention):
-        return True
-    if not required:
-        return False
+    """Route every module of this model whose ``__call__`` calls mlx-lm's ``scaled_dot_product_attention``
+    through ``attention`` (idempotent); the module and other model instances keep mlx-lm's. A model none of
+    whose modules calls it raises when ``required``, else keeps its own attention; returns whether any is
+    routed (which layers are: ``nestedkv.introspect``)."""
+    mods = [m for _, m in model.named_modules()
+            if _routing.routed(m, NAME, attention) or _routing.can_route(m, NAME, _sdpa)]
+    for m in mods:
+        _routing.route(m, NAME, _sdpa, attention)
+    if mods or not required:
+        return bool(mods)
     raise ValueError(
         f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
         f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"
@@ -278,8 +279,11 @@ def check_caller_routed(holds: str) -> None:
     """Raise if the layer calling ``update_and_fetch`` is about to give rows only ``attention`` reads right
     (ragged ones, whose padding it would attend; rotated keys, which it would score unrotated queries against)
     to mlx-lm's attention."""
-    if sys._getframe(2).f_globals.get(NAME) is _sdpa:
+    frame = sys._getframe(2)
+    caller = frame.f_locals.get("self")
+    own = isinstance(caller, nn.Module) and not _routing.routed(caller, NAME, attention)  # its own attention
+    if own or frame.f_globals.get(NAME) is _sdpa:
         raise RuntimeError(
-            f"this NestedKVCache {holds} but the model calling it uses mlx-lm's attention: route it first "
-            "with nestedkv.install_attention_hook(model)"
+            f"this NestedKVCache {holds} but the layer calling it does not attend through nestedkv's attention: "
+            "route it first with nestedkv.install_attention_hook(model), or give it uniform head budgets"
         )

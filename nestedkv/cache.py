@@ -12,6 +12,7 @@ batches compressed caches for decode instead.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Optional
 
 import mlx.core as mx
@@ -21,22 +22,30 @@ from nestedkv.attention import install_attention_hook  # noqa: F401  (kept impor
 from nestedkv.batching import stack, take  # noqa: F401  (public here)
 from nestedkv.buffers import check_divides, check_hadamard
 from nestedkv.kvcache import NestedKVCache, check_context_len, route
-from nestedkv.layer_kinds import FULL, copy_layer, is_kept_as_is, kind_of, remember_context, restore_context
+from nestedkv import introspect
+from nestedkv.introspect import model_type
+from nestedkv.layer_kinds import (FULL, copy_layer, is_cache_list, is_kept_as_is, kind_of, kinds, leaves,
+                                  remember_context, restore_context)
 from nestedkv.press import BasePress
 from nestedkv.probe import Instruction
-from nestedkv.rope import model_rope
 
 
 def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[int] = None,
                positions: Optional[int] = None) -> list:
-    """One NestedKVCache per full-attention layer; a drop-in ``prompt_cache`` for mlx-lm. The sliding-window
-    and state layers of hybrid models (Gemma 3, gpt-oss, Qwen3-Next, ...) keep mlx-lm's own cache.
+    """One NestedKVCache per full-attention cache; a drop-in ``prompt_cache`` for mlx-lm. The sliding-window,
+    chunked and state caches of hybrid models (Gemma 3, gpt-oss, Qwen3-Next, Llama 4, ...) keep mlx-lm's own, and
+    a layer with several caches (``CacheList``) keeps its container with each full-attention cache in it replaced.
 
     ``context_len``: the document's token count, needed by ``prefill="streaming"`` presses with a
     compression ratio (their budget is a share of the whole document, evicted before it has all arrived).
     ``positions``: read a streaming document of any length within this many rope positions (the model's
     window less the room its question and answer need): each head keeps at most ``positions`` less two
     chunks, and the kept rows are moved to positions 0..R-1 whenever the next chunk would pass the limit.
+
+    What each full-attention cache holds is learned once per model by running it on a few tokens
+    (``nestedkv.introspect``): the rope its keys carry and whether its attention can read per-head rows. A layer
+    where a setting of the press cannot apply runs the nearest one that can and says so (``adapted``): keys no
+    known rope undoes are scored as cached, an attention that computes its own softmax gets uniform head budgets.
 
     Routes this model instance's attention through ``attention.attention`` where it can (required for
     adaptive budgets) and its SwiGLU through ``activations.swiglu``, whatever cache it runs with; other
@@ -47,61 +56,130 @@ def make_cache(model, press: Optional[BasePress] = None, context_len: Optional[i
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
     context_len = check_context_len(context_len)
+    facts = check_model(model)
     defaults = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    kinds = [kind_of(c, i) for i, c in enumerate(defaults)]
-    if FULL not in kinds:
-        raise ValueError(f"{type(model).__module__} has no full-attention (KVCache) layer: nothing grows "
-                         "with the document, so there is nothing for NestedKV to compress")
-    hybrid = len(set(kinds)) > 1
+    hybrid = len(set(kinds(defaults))) > 1 or any(is_cache_list(c) for c in defaults)
     if positions is not None and hybrid:
         raise ValueError("positions (reading past the window) moves keys to new rope positions, which the "
                          "sliding-window and state layers of this hybrid model cannot follow")
-    if press is not None and press.kv_bits is not None:
-        check_group_size(model, press.kv_group_size, press.kv_hadamard)
-        if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in model.layers):
-            raise ValueError(f"kv_bits: {type(model).__module__} has attention sinks, which mlx's quantized "
-                             "attention does not support: run it with kv_bits=None")
     if positions is not None and (press is None or press.prefill != "streaming"):
         raise ValueError("positions (reading past the window) needs a press with prefill='streaming': only "
                          "eviction while prefilling keeps a document of any length within the window")
-    rotated = press is not None and press.kv_bits is not None and press.kv_hadamard
-    if not route(model, required=press is not None and press.head_budget == "adaptive") and rotated:
-        raise ValueError(f"kv_hadamard needs a model whose attention calls mlx-lm's scaled_dot_product_attention "
-                         f"(the queries are rotated there); {type(model).__module__} does not: quantize "
-                         "with kv_hadamard=False")
-    cache = _bind([NestedKVCache(press, context_len, positions) if k == FULL else c
-                   for k, c in zip(kinds, defaults)], model, press)
-    if positions is not None and cache[0].rope_spec is None:
-        raise ValueError(f"reading past the window moves keys to new rope positions: the model "
-                         f"{type(model).__name__} has no rope module this can be done with")
+    if press is not None and press.needs_model:
+        unrouted = [f.writer for f in facts if not f.routed]
+        if hybrid:
+            raise ValueError(f"press {press.name!r} scores with the model on full-attention models only; "
+                             f"{model_type(model)} has sliding-window, state or several caches in a layer: use a "
+                             "key-only press (nestedkv, keydiff)")
+        if unrouted:
+            raise ValueError(f"press {press.name!r} reads the model's queries: the attention of "
+                             f"{model_type(model)} ({unrouted[0]}) does not call mlx-lm's "
+                             "scaled_dot_product_attention; use a key-only press (nestedkv, keydiff)")
+    if press is not None and press.kv_bits is not None:
+        for f in facts:
+            check_divides(press.kv_group_size, f.head_dim)
+        if any(getattr(m, "sinks", None) is not None for _, m in model.named_modules()):
+            raise ValueError(f"kv_bits: {model_type(model)} has attention sinks, which mlx's quantized "
+                             "attention does not support: run it with kv_bits=None")
+
+    def nested(c, i):
+        return NestedKVCache(press, context_len, positions) if kind_of(c, i) == FULL else c
+
+    cache = []
+    for i, c in enumerate(defaults):
+        if is_cache_list(c):
+            c.caches = tuple(nested(s, i) for s in c.caches)
+            cache.append(c)
+        else:
+            cache.append(nested(c, i))
+    _bind(cache, model, press, facts)
+    if positions is not None and any(f.rope is None for f in facts):
+        raise ValueError(f"reading past the window moves keys to new rope positions: {model_type(model)} has "
+                         f"{next(f for f in facts if f.rope is None).rope_reason}")
     return cache
 
 
-def _bind(cache: list, model, press: Optional[BasePress]) -> list:
-    """Give the layers the model's rope (kept by ``clone`` and saved files), which presses scoring unrotated
-    keys need; a model whose rope cannot be undone fails only such a press."""
-    for i, c in enumerate(cache):
-        if not isinstance(c, NestedKVCache):
-            continue
-        try:
-            spec = model_rope(model, i)  # each layer its own (Gemma 3: local and global bases differ)
-        except ValueError:
-            if press is not None and press.unrotate:
-                raise
-            spec = None
-        if spec is None and press is not None and press.unrotate:
-            raise ValueError(f"unrotate=true: the model {type(model).__name__} has no rope module to undo; "
-                             "set the press's unrotate=false")
-        c.rope_spec = spec
+def check_model(model) -> list:
+    """Raise ``ValueError`` in one line naming the model type when NestedKV cannot compress this model: no
+    cache that grows with the document, a cache type it does not know, caches whose rows must stay aligned, or
+    a forward pass that fails on this device. Returns the facts of its full-attention caches
+    (``nestedkv.introspect``); routes its attention and SwiGLU (``make_cache``)."""
+    defaults = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    try:
+        layer_kinds = kinds(defaults)
+    except ValueError as exc:
+        raise ValueError(f"{model_type(model)}: {exc}") from None
+    if FULL not in layer_kinds:
+        raise ValueError(f"{model_type(model)} has no full-attention (KVCache) layer: nothing grows with the "
+                         "document, so there is nothing for NestedKV to compress")
+    route(model, required=False)
+    facts = introspect.probe(model)
+    aligned = introspect.aligned_lists(model, facts)
+    if aligned:
+        raise ValueError(f"{model_type(model)}: layer {aligned[0]} holds several caches written by one attention "
+                         "(an indexer over its keys: sparse attention), whose rows must stay aligned; NestedKV "
+                         "cannot evict rows from one of them without the others")
+    return facts
+
+
+def unfit(model, press: BasePress) -> Optional[str]:
+    """Why ``press`` cannot run on ``model`` (what ``make_cache`` refuses, in one line), or None."""
+    try:
+        make_cache(model, press, context_len=1 if press.prefill == "streaming" else None)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def full_layers(cache) -> list[NestedKVCache]:
+    """The caches NestedKV compresses, in ``leaves`` order."""
+    return [c for c in leaves(cache) if isinstance(c, NestedKVCache)]
+
+
+def layer_press(press: BasePress, facts: introspect.LayerFacts) -> tuple[BasePress, Optional[str]]:
+    """The press one layer runs: ``press``, or the nearest to it this layer can run, and what was changed and
+    why (None when nothing was)."""
+    changes, notes = {}, []
+    if press.unrotate and facts.rope is None:
+        changes["unrotate"] = False
+        notes.append(f"keys scored as cached: {facts.rope_reason}")
+    routed_only = f"its attention ({facts.writer}) does not read rows laid out per head (a forward pass with " \
+                  "them failed or gave other logits)"
+    if press.head_budget == "adaptive" and facts.n_kv_heads == 1:
+        changes["head_budget"] = "uniform"  # one head (MLA's latent): the same rows, a dense layout
+    elif press.head_budget == "adaptive" and not facts.routed:
+        changes["head_budget"] = "uniform"
+        notes.append(f"uniform head budget: {routed_only}")
+    elif press.head_budget == "adaptive" and facts.shared:
+        changes["head_budget"] = "uniform"
+        notes.append("uniform head budget: other layers read this layer's keys (KV sharing), and only "
+                     "its own attention reads per-head rows")
+    if press.kv_bits is not None and facts.shared:
+        changes["kv_bits"] = None
+        notes.append("kept rows not quantized: other layers read this layer's keys (KV sharing) as plain rows")
+    if press.kv_bits is not None and press.kv_hadamard and not facts.routed:
+        changes["kv_hadamard"] = False
+        notes.append(f"quantized keys not rotated: rotated keys need nestedkv's attention to rotate the queries, "
+                     f"and {routed_only}")
+    return (replace(press, **changes) if changes else press), "; ".join(notes) or None
+
+
+def _bind(cache: list, model, press: Optional[BasePress], facts=None) -> list:
+    """Give each full-attention cache the facts of its layer (the rope its keys carry, kept by ``clone`` and
+    saved files) and the press it runs (``layer_press``)."""
+    facts = introspect.probe(model) if facts is None else facts
+    for c, f in zip(full_layers(cache), facts):
+        c.rope_spec, c.facts = f.rope, f
+        if press is not None:
+            c.run_press = press
+            c.press, c.adapted = layer_press(press, f)
     return cache
 
 
 def check_group_size(model, group_size: int, hadamard: bool = False) -> None:
-    """Quantized KV needs the group size to divide the head dimension (and the rotation a size it has):
-    say so before any prefill."""
-    args = getattr(model, "args", None)
-    d = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1)))
-    if d:
+    """Quantized KV needs the group size to divide the head dimension of every compressed layer (and the
+    rotation a size it has): say so before any prefill."""
+    for d in sorted({f.head_dim for f in introspect.probe(model)}):
         check_divides(group_size, d)
         if hadamard:
             check_hadamard(d)
@@ -109,7 +187,7 @@ def check_group_size(model, group_size: int, hadamard: bool = False) -> None:
 
 def _check_cache(cache) -> None:
     if not isinstance(cache, (list, tuple)) or not all(isinstance(c, NestedKVCache) or is_kept_as_is(c)
-                                                           for c in cache):
+                                                           for c in leaves(cache)):
         raise TypeError("cache must be the list returned by nestedkv.make_cache(model, press)")
 
 
@@ -121,17 +199,18 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     ``scores``: what ``model_scores`` gave for this context under a press of the same ``scoring_key`` (a
     sweep scores once for all its budgets)."""
     _check_cache(cache)
-    full = [c for c in cache if isinstance(c, NestedKVCache)]
+    full = full_layers(cache)
     if scores is None and press_of(cache).needs_model and not full[0].compressed:
         scores = model_scores(cache, model, tokens, prompt)
-    scores = scores or [None] * len(cache)
-    keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(cache)
-    for c, s, k in zip(cache, scores, keeps):
+    layers = leaves(cache)
+    scores = scores or [None] * len(layers)
+    keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(layers)
+    for c, s, k in zip(layers, scores, keeps):
         if isinstance(c, NestedKVCache):
             c.compress(s, k)
         else:
             remember_context(c)
-    mx.eval([c.state for c in cache])
+    mx.eval(arrays(cache))
 
 
 def model_scores(cache, model, tokens, prompt=()) -> list:
@@ -139,8 +218,8 @@ def model_scores(cache, model, tokens, prompt=()) -> list:
     pass with the model (``needs_model`` presses); nothing of the cache changes."""
     _check_cache(cache)
     press = press_of(cache)
-    full = [c for c in cache if isinstance(c, NestedKVCache)]
-    if len(full) < len(cache):  # its probe pass feeds full-attention caches only
+    full = full_layers(cache)
+    if len(full) < len(cache) or len(full) < len(leaves(cache)):  # its probe pass feeds full-attention caches only
         raise ValueError(f"press {press.name!r} scores with the model on full-attention models only; this "
                          "model has sliding-window or state layers: use a key-only press (nestedkv, keydiff)")
     if model is None or tokens is None:
@@ -155,14 +234,15 @@ def model_scores(cache, model, tokens, prompt=()) -> list:
 def press_of(cache) -> BasePress:
     """The press of a cache list (its compressed layers'; a hybrid model's first layer may be one mlx-lm keeps)."""
     _check_cache(cache)
-    return next(c.press for c in cache if isinstance(c, NestedKVCache))
+    first = full_layers(cache)[0]
+    return first.run_press or first.press
 
 
 def rewind(cache) -> None:
     """Every layer back to the compressed context (the rows of a question and its answer go): trimmed where
     NestedKV compresses, restored to the end of the context where mlx-lm keeps the layer as is."""
     _check_cache(cache)
-    for c in cache:
+    for c in leaves(cache):
         c.rewind() if isinstance(c, NestedKVCache) else restore_context(c)
 
 
@@ -173,11 +253,9 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
     _check_cache(cache)
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
-    out = []
-    for c in cache:
+    def copied(c):
         if is_kept_as_is(c):
-            out.append(copy_layer(c))
-            continue
+            return copy_layer(c)
         d = copy.copy(c)
         d.layout = c.layout.copy(c.stored)
         if c.stream is not None:
@@ -185,6 +263,20 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
         if press is not None:
             if c.compressed or c.stream is not None or c.kept is not None:
                 raise ValueError("clone(cache, press) needs an uncompressed cache that evicted nothing")
-            d.press = press
-        out.append(d)
+            d.press, d.run_press, d.adapted = press, None, None
+        return d
+
+    out = []
+    for c in cache:
+        if is_cache_list(c):
+            d = copy.copy(c)
+            d.caches = tuple(copied(s) for s in c.caches)
+            out.append(d)
+        else:
+            out.append(copied(c))
     return _bind(out, model, press) if model is not None else out
+
+
+def arrays(cache) -> list:
+    """Every array a cache list holds (for ``mx.eval``; a ``CacheList``'s state also names its classes)."""
+    return [c.state for c in leaves(cache)]

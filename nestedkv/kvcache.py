@@ -56,7 +56,10 @@ def _layout_field(name: str, writable: bool = False):
 
 class NestedKVCache(KVCache):
     step = KVCache.step
-    rope_spec: Optional[dict] = None  # the model's rope (nestedkv.rope.describe), for unrotated scoring
+    rope_spec: Optional[dict] = None  # the rope of this layer's keys (nestedkv.introspect), for unrotated scoring
+    run_press: Optional[BasePress] = None  # the run's press, when this layer runs another (``adapted``)
+    adapted: Optional[str] = None  # what this layer runs differently from the run's press, and why
+    facts = None  # this layer's nestedkv.introspect.LayerFacts (None in a cache loaded from a file)
     positions: Optional[int] = None  # rope positions the context may use (past the window), or None
     _chunk = 0  # the largest chunk seen (past the window: the room the next one needs)
     _reposition = False  # the next read of ``offset`` moves the rows first

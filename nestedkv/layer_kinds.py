@@ -1,40 +1,62 @@
 """Hybrid models: which layers NestedKV compresses, and what the other layers hold.
 
 mlx-lm gives each layer its own cache. Only full-attention layers (``KVCache``) grow with the document, so
-only they become ``NestedKVCache``; sliding-window layers (``RotatingKVCache``, already bounded by the
-window) and state-space layers (``ArraysCache``, constant size) stay exactly as mlx-lm makes them.
+only they become ``NestedKVCache``; sliding-window and chunked layers (``RotatingKVCache``, ``ChunkedKVCache``,
+already bounded) and state-space layers (``ArraysCache``, constant size) stay exactly as mlx-lm makes them. A
+layer with several caches (``CacheList``: a state and an attention, or two attentions) is a container: each
+cache in it is one of the kinds above (``leaves``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
-from nestedkv.accounting import FULL, SLIDING, STATE  # noqa: F401  (the kinds, named where they are counted)
+FULL, SLIDING, STATE = "full", "sliding", "state"  # a layer's cache: compressed, window, state (kept as is)
 
 
 def kind_of(c, layer: int) -> str:
     """``full``, ``sliding`` or ``state`` for a layer's mlx-lm cache; any other cache type is refused."""
     if isinstance(c, KVCache) and type(c).__name__ in ("KVCache", "NestedKVCache"):
         return FULL
-    if type(c) is RotatingKVCache:
+    if type(c) in (RotatingKVCache, ChunkedKVCache):
         return SLIDING
     if isinstance(c, ArraysCache):
         return STATE
     raise ValueError(f"layer {layer} uses {type(c).__name__}; NestedKV supports models whose layers use "
-                     "KVCache (compressed), RotatingKVCache or ArraysCache (kept as mlx-lm has them)")
+                     "KVCache (compressed), RotatingKVCache, ChunkedKVCache or ArraysCache (kept as mlx-lm has "
+                     "them), or a CacheList of these")
+
+
+def is_cache_list(c) -> bool:
+    return isinstance(c, CacheList)
+
+
+def indexed_leaves(cache) -> list[tuple[int, object]]:
+    """(layer, cache) for every cache of a cache list, those inside a ``CacheList`` in their order."""
+    return [(i, s) for i, c in enumerate(cache) for s in (c.caches if is_cache_list(c) else (c,))]
+
+
+def leaves(cache) -> list:
+    """Every cache of a cache list, those inside a ``CacheList`` in their order."""
+    return [s for _, s in indexed_leaves(cache)]
+
+
+def kinds(cache) -> list[str]:
+    """``kind_of`` each cache of ``leaves(cache)``."""
+    return [kind_of(s, i) for i, s in indexed_leaves(cache)]
 
 
 def is_hybrid(model) -> bool:
     """Whether some layer of ``model`` keeps mlx-lm's own cache (sliding window or state): such a model's
     caches cannot be stacked for a batched decode."""
     caches = model.make_cache() if hasattr(model, "make_cache") else []
-    return any(is_kept_as_is(c) for c in caches)
+    return any(is_cache_list(c) or is_kept_as_is(c) for c in caches)
 
 
 def is_kept_as_is(c) -> bool:
-    """A layer NestedKV leaves to mlx-lm (sliding window or state)."""
-    return isinstance(c, (RotatingKVCache, ArraysCache))
+    """A layer NestedKV leaves to mlx-lm (sliding window, chunk or state)."""
+    return isinstance(c, (RotatingKVCache, ChunkedKVCache, ArraysCache))
 
 
 def copy_layer(c):

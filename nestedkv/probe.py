@@ -64,8 +64,10 @@ def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press
     or after its first ``rows`` rows only (feeding the rest again recomputes their own queries);
     ``observe(layer, queries, keys, values, scale)`` sees every layer of every feed. Nothing is stored.
     Yields after each feed, so the caller evaluates what it gathered."""
-    if not install_attention_hook(model, required=False):
-        raise ValueError(f"press {press_name!r} reads the model's queries: {type(model).__module__} does not call "
+    unrouted = [c.facts.writer for c in cache if c.facts is not None and not c.facts.routed]
+    if not install_attention_hook(model, required=False) or unrouted:
+        which = f"its attention ({unrouted[0]})" if unrouted else type(model).__module__
+        raise ValueError(f"press {press_name!r} reads the model's queries: {which} does not call "
                          "mlx-lm's scaled_dot_product_attention; use a key-only press (e.g. nestedkv)")
     probes = []
     for i, c in enumerate(cache):

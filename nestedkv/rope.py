@@ -36,18 +36,30 @@ def from_description(d: dict, sign: float = -1.0) -> Unrope:
     """The inverse rope: the same rotation by minus the angle (rope is linear in the angle and a rotation,
     so rotating by -theta undoes it exactly up to rounding); ``sign=1``: the rope itself (without YaRN's
     constant factor). ``offset`` is the first key's position, or an int array with one position per batch row
-    (see ``at_positions``)."""
+    (see ``at_positions``). ``d["at"]``: where the rotated dimensions start in a head (MLA heads put them
+    last), 0 by default."""
+    if not d["dims"]:  # keys without position (NoPE layers, latent keys)
+        return lambda x, offset=0: x
     if "freqs" in d:
         freqs = mx.array(d["freqs"], dtype=mx.float32)
-        return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=None,
-                                                scale=sign, offset=offset, freqs=freqs)
-    return lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=d["base"],
-                                            scale=sign * d["scale"], offset=offset)
+        scale = sign * d.get("scale", 1.0)
+        rot = lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=None,  # noqa: E731
+                                               scale=scale, offset=offset, freqs=freqs)
+    else:
+        rot = lambda x, offset=0: mx.fast.rope(x, d["dims"], traditional=d["traditional"], base=d["base"],  # noqa: E731
+                                               scale=sign * d["scale"], offset=offset)
+    at = d.get("at", 0)
+    if not at:
+        return rot
+    end = at + d["dims"]
+    return lambda x, offset=0: mx.concatenate([x[..., :at], rot(x[..., at:end], offset), x[..., end:]], axis=-1)
 
 
 def mean_rotation(d: dict, start: int, count: int, dim: int) -> mx.array:
     """``[dim, dim]``: the rope at positions ``start .. start + count - 1`` averaged, as a matrix acting on row
     vectors (``x @ M`` is the mean of x rotated to each of those positions); rope is linear in x."""
+    if not d["dims"]:
+        return mx.eye(dim, dtype=mx.float32)
     rope = from_description(d, sign=1.0)
     eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32), (count, dim, dim)).reshape(count * dim, 1, 1, dim)
     pos = mx.repeat(mx.arange(start, start + count, dtype=mx.int32), dim)
@@ -73,17 +85,3 @@ def required(unrope: Unrope | None, press_name: str) -> Unrope:
         raise ValueError(f"press {press_name!r} with unrotate=true needs the model's rope: build the cache "
                          "with nestedkv.make_cache(model, press) or nestedkv.clone(cache, press, model=model)")
     return unrope
-
-
-def model_rope(model, layer: int = 0) -> dict | None:
-    """The description (``describe``) of a layer's attention rope (the first layer's by default: hybrid
-    models such as Gemma 3 give local and global layers different bases), or None when it has none."""
-    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None) or []
-    rope = getattr(getattr(layers[layer], "self_attn", None), "rope", None) if len(layers) > layer else None
-    return None if rope is None else describe(rope)
-
-
-def model_unrope(model) -> Unrope | None:
-    """The inverse rope of a model's attention, or None when it has no rope module."""
-    d = model_rope(model)
-    return None if d is None else from_description(d)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import date
 from importlib import metadata
 from typing import Any, Literal, Optional
 
@@ -23,6 +24,7 @@ from pipeline.metrics import HOOKED_METRICS
 from pipeline.paths import writable_folder
 
 Task = Literal["summarize", "qa"]
+Dtype = Literal["auto", "stored", "float32", "float16", "bfloat16"]
 HeadBudget = Literal["uniform", "adaptive"]
 PrefillMode = Literal["whole", "streaming"]
 # How a document longer than the model's window is read (what each output row records as read_mode).
@@ -35,6 +37,7 @@ EVAL_INPUT, EVAL_DB = "data/eval_set.parquet", "eval.duckdb"  # the bundled eval
 REFERENCE_PRESS = "no_press"
 INT32_MAX = 2**31 - 1  # the store's INTEGER columns
 
+CHAT_DATE = "2024-07-26"  # Llama 3.1's own default date_string: any fixed date keeps a document's tokens
 SUMMARY_INSTRUCTION = "Summarize the document above in 3 sentences."
 # Asking for a phrase copied from the document made SmolLM2-135M answer 7 of the 8 sample-batch
 # questions without compression, against 5 of 8 for "answer in a few words".
@@ -166,6 +169,27 @@ class GenerationSettings(_Settings):
                                          description="tokens (question and answer so far) the repetition penalty "
                                          "looks back over "
                                          "(mlx-lm's --repetition-context-size)")
+    thinking: bool = Field(False, json_schema_extra=HASHED_WHEN_SET,
+                           description="let a hybrid-thinking chat template (Qwen3) think before it answers "
+                           "(its enable_thinking); off: it answers at once")
+    chat_date: str = Field(CHAT_DATE, json_schema_extra=HASHED_WHEN_SET,
+                           description="the date chat templates that stamp one (Llama 3.x) are given, YYYY-MM-DD, "
+                           "so a document gives the same tokens every day")
+    dtype: Dtype = Field("auto", json_schema_extra=HASHED_WHEN_SET,
+                         description="the model's weights: auto (float32 on a CPU, as stored on Metal/GPU), stored "
+                         "(quantized or half precision as saved: what a Mac runs), float32, float16, bfloat16")
+
+    @field_validator("chat_date")
+    @classmethod
+    def _iso_date(cls, v: str) -> str:
+        try:
+            return date.fromisoformat(v).isoformat()
+        except ValueError:
+            raise ValueError(f"chat_date must be a date YYYY-MM-DD, got {v!r}") from None
+
+    def template_args(self) -> dict:
+        """What the chat template is rendered with (``pipeline.prompts``): thinking and the fixed date."""
+        return {"thinking": self.thinking, "day": date.fromisoformat(self.chat_date)}
 
     def penalty(self) -> Optional[tuple[float, int]]:
         """(repetition penalty, tokens it looks back over), or None when off (mlx-lm's logits processor)."""
@@ -185,6 +209,9 @@ class RunConfig(GenerationSettings, PressSettings):
 
     task: Task = "summarize"
     model: str = DEFAULT_MODEL
+    # What the outputs depend on of the model (pipeline.models.model_key: revision, dtype, device), filled in
+    # when a batch is planned: changed weights, another dtype or device are other work, never "already done".
+    model_key: Optional[str] = Field(None, json_schema_extra=HASHED_WHEN_SET)
 
     @model_validator(mode="before")
     @classmethod

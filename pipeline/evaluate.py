@@ -37,7 +37,7 @@ import numpy as np
 from rouge_score import rouge_scorer
 
 import nestedkv
-from nestedkv.rope import model_unrope
+from nestedkv.cache import full_layers, layer_press
 from pipeline.metrics import (AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
                               GOLD_NLL, METRICS, REFERENCE_METRICS, ROUGE_L, TOP1)
 from pipeline.prompts import encode
@@ -273,12 +273,13 @@ def gold_spans(tokenizer, context_ids: Sequence[int], answers: Sequence[Optional
     return out
 
 
-def retention(full_cache, press, span: Sequence[int], unrope=None) -> float:
+def retention(full_cache, press, span: Sequence[int]) -> float:
     """Share of (layer, KV head, position in ``span``) triples ``press`` keeps, from the full cache's keys
-    (``unrope``: the model's inverse rope, for a press that scores unrotated keys)."""
+    (each layer as it would run the press: ``nestedkv.cache.layer_press``)."""
     kept = total = 0
-    for c in full_cache:
-        sel = press.select(c.keys[..., : c.stored, :], unrope=unrope)
+    for c in full_layers(full_cache):
+        layer = layer_press(press, c.facts)[0] if c.facts is not None else press
+        sel = layer.select(c.keys[..., : c.stored, :], unrope=c.unrope)
         if sel is None:
             return 1.0
         idx = np.array(sel.indices)[0]  # [H, K]
@@ -294,8 +295,7 @@ def retention(full_cache, press, span: Sequence[int], unrope=None) -> float:
 def gold_kept(runner, prepared, full_cache, press) -> list[QuestionScores]:
     """``gold_kept`` per question whose gold answer occurs in the context."""
     spans = gold_spans(runner.tokenizer, prepared.context_ids, [g for _, _, g in prepared.questions])
-    unrope = model_unrope(runner.model) if press.unrotate else None
-    return [{GOLD_KEPT: retention(full_cache, press, spans[k], unrope)} if k in spans else {}
+    return [{GOLD_KEPT: retention(full_cache, press, spans[k])} if k in spans else {}
             for k in range(len(prepared.questions))]
 
 

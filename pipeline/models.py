@@ -26,11 +26,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 from mlx.utils import tree_map
-from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, dequantize_model
 
 from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
+from nestedkv.cache import check_model
 from pipeline import gguf_import
 from pipeline.errors import ModelLoadError
 from pipeline.paths import unwritable
@@ -278,10 +280,13 @@ def _on_cpu() -> bool:
 
 
 def _policy(kind: str, dtype: str | None) -> tuple[bool, Any]:
-    """(dequantize?, float dtype to cast to or None to keep what is stored)."""
-    if dtype is not None:
+    """(dequantize?, float dtype to cast to or None to keep what is stored). ``dtype`` None or "auto": the
+    device's policy; "stored": the weights as saved (quantized layers stay quantized, half precision stays)."""
+    if dtype == "stored":
+        return False, None
+    if dtype not in (None, "auto"):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be auto, stored or one of {', '.join(DTYPES)}, got {dtype!r}")
         return True, DTYPES[dtype]
     if _on_cpu():  # quantized and half-precision matmuls are slow on CPU; fp32 is the fast path
         return True, mx.float32
@@ -304,6 +309,9 @@ def _load_dir(location: str, ref: str):
         model, tokenizer = mlx_lm.load(location)
     except ModelLoadError:
         raise
+    except SystemExit as e:  # a model module that exits at import when an optional package is missing
+        raise ModelLoadError(f"could not load model {ref!r}: mlx-lm's module for its model type exited while "
+                             f"loading (code {e.code}), after printing what it needs") from None
     except Exception as e:
         if isinstance(e, (OSError, HfHubHTTPError)) and not Path(location).exists():
             raise ModelLoadError(
@@ -338,7 +346,12 @@ def load_model(ref: str | None = None, *, dtype: str | None = None):
             path = model_dir(ref)
             model, tokenizer = _load_dir(path, ref or DEFAULT_MODEL)
             _warn_slow_blas()
-            _loaded[key] = (_apply_dtype(model, dequantize, dt), tokenizer)
+            model = _apply_dtype(model, dequantize, dt)
+            try:
+                check_model(model)  # what NestedKV cannot compress is refused here, before any run opens
+            except ValueError as exc:
+                raise ModelLoadError(f"model {ref or DEFAULT_MODEL!r}: {exc}") from None
+            _loaded[key] = (model, tokenizer)
         return _loaded[key]
 
 
@@ -355,10 +368,93 @@ def model_dir(ref: str | None = None) -> str:
     return str(ensure_converted(location)) if kind == "gguf" else location
 
 
+# ---------------------------------------------------------------------------------------------------
+# What a run's results depend on of the model: its revision, its weights' dtype and the device
+
+_SNAPSHOT = re.compile(r"^[0-9a-f]{40}$")
+_WEIGHT_FILES = (".safetensors", ".json", ".model", ".tiktoken", ".jinja", ".txt", ".py")
+_HASHES = "file-hashes.json"
+_keys: dict[tuple[str, str], str] = {}
+
+
+def _file_hashes() -> dict:
+    path = _cache_path() / _HASHES
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_file_hashes(hashes: dict) -> None:
+    root = _cache_path()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{_HASHES}-", dir=root)
+        with os.fdopen(fd, "w") as f:
+            json.dump(hashes, f)
+        os.replace(tmp, root / _HASHES)
+    except OSError as exc:  # an unwritable cache folder costs a hash next time, never the run
+        log.warning("could not keep model file hashes in %s (%s)", root, exc)
+
+
+def revision(ref: str | None = None) -> str:
+    """The revision of a model's weights: a Hugging Face snapshot's commit, or the sha256 of its files (weights,
+    config, tokenizer), kept by path, size and mtime in the models cache folder so a large model is hashed once
+    per change; a name with no files behind it is its own revision."""
+    location = model_dir(ref)
+    path = Path(location)
+    if not path.is_dir():
+        if not _REPO_ID.match(location):
+            return location
+        try:  # a hub id: the snapshot mlx-lm loads (downloaded now if it must be)
+            path = Path(snapshot_download(location, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        except Exception as exc:  # unreachable and not cached: its name, and loading will say why
+            log.warning("model %s: no local snapshot to name its revision (%s)", location, type(exc).__name__)
+            return location
+    path = path.resolve() if not path.is_symlink() else path
+    if path.parent.name == "snapshots" and _SNAPSHOT.match(path.name):
+        return f"hf:{path.name}"
+    hashes, changed, h = _file_hashes(), False, hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_FILES):
+        st, key = f.stat(), str(f.resolve())
+        known = hashes.get(key)
+        if known is None or known[:2] != [st.st_size, st.st_mtime_ns]:
+            hashes[key], changed = [st.st_size, st.st_mtime_ns, _sha256(f)], True
+        h.update(f"{f.name}\0{hashes[key][2]}\0".encode())
+    if changed:
+        _save_file_hashes(hashes)
+    return f"sha256:{h.hexdigest()}"
+
+
+def model_key(ref: str | None = None, dtype: str | None = None) -> str:
+    """What a run's outputs depend on of its model, as one string (in the run's configuration hash, the prefill
+    cache's keys and resume): the revision, how the weights are loaded (dequantized, cast) and the device.
+    Computed once per process."""
+    k = (str(ref), str(dtype))
+    if k not in _keys:
+        try:
+            kind = _resolve(ref)[0]
+        except ModelLoadError:  # a name standing for a model loaded another way (tests)
+            kind = "name"
+        dequantize, dt = _policy(kind, dtype)
+        _keys[k] = json.dumps({"revision": revision(ref), "dequantize": dequantize,
+                               "cast": None if dt is None else str(dt).removeprefix("mlx.core."),
+                               "device": mx.default_device().type.name}, sort_keys=True)
+    return _keys[k]
+
+
+def keyed(config):
+    """A ``RunConfig`` with its ``model_key`` filled in (what its hash, resume and reports look runs up by)."""
+    if config.model_key:
+        return config
+    return config.model_copy(update={"model_key": model_key(config.model, config.dtype)})
+
+
 def clear_loaded() -> None:
-    """Forget the per-process model cache (tests, or to free memory)."""
+    """Forget the per-process model cache and model keys (tests, or to free memory)."""
     with _lock:
         _loaded.clear()
+        _keys.clear()
 
 
 def _dir_size(path: Path) -> int:

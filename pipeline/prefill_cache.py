@@ -1,7 +1,7 @@
 """An opt-in store of uncompressed prefilled caches on disk, so a re-run with a new budget or method costs
 compression and decoding only.
 
-An entry is keyed by everything its keys and values depend on: the model (its weights on disk), the exact
+An entry is keyed by everything its keys and values depend on: the model (its revision, dtype and device), the exact
 context token ids (document, prompt template, truncation) and the prefill chunking. It holds the cache in
 the model's dtype through mlx-lm's prompt-cache files, so answers from a loaded entry are identical to
 answers from a fresh prefill. Entries are evicted least recently used beyond a size cap. An entry that
@@ -54,15 +54,6 @@ def check_folder(folder: str) -> Path:
     return writable_folder(folder, PrefillCacheError)
 
 
-def model_identity(model_ref: str) -> str:
-    """The model's weights on disk: the resolved directory and the size and mtime of its files."""
-    path = Path(models.model_dir(model_ref))  # through the module: tests replace it there
-    if not path.is_dir():  # a repo id: its name is all we know without downloading
-        return str(model_ref)
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
-    return json.dumps([str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files])
-
-
 class Entry(NamedTuple):
     cache: list
     prefill_s: Optional[float]  # the seconds computing it took, which a re-run's load does not show
@@ -75,13 +66,12 @@ class PrefillCache:
         self.folder = check_folder(folder)
         self.max_bytes = int(check_cap(max_gb) * 2**30)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._models: dict[str, str] = {}
 
-    def key(self, model_ref: str, context_ids: Sequence[int], step: int) -> str:
-        if model_ref not in self._models:
-            self._models[model_ref] = model_identity(model_ref)
+    def key(self, model_key: str, context_ids: Sequence[int], step: int) -> str:
+        """An entry's key: the model (``pipeline.models.model_key``: revision, dtype, device), the context's
+        token ids and the prefill chunking."""
         h = hashlib.sha256()
-        h.update(json.dumps({"format": FORMAT, "model": self._models[model_ref], "step": step}).encode())
+        h.update(json.dumps({"format": FORMAT, "model": model_key, "step": step}).encode())
         h.update(b"\0")
         h.update(",".join(map(str, context_ids)).encode())
         return h.hexdigest()

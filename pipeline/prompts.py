@@ -8,8 +8,11 @@ answers every question of a document.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import date, datetime, time
+from typing import Optional
 
 from nestedkv.probe import Instruction
+from pipeline.config import CHAT_DATE
 
 # KVzip's reconstruction instructions (the paper's wording). The context ends with a blank line (build_prompt).
 REPEAT_FIRST = "Repeat the previous context exactly."
@@ -42,16 +45,43 @@ def split_marker(*texts: str) -> str:
     return marker
 
 
-def build_prompt(tokenizer, document: str, instruction: str) -> PromptParts:
-    """Render the model's chat template around the document and the instruction, then split."""
+def template_kwargs(thinking: bool = False, day: date = date.fromisoformat(CHAT_DATE)) -> dict:
+    """What a chat template is rendered with beyond the messages: ``enable_thinking`` (hybrid-thinking templates,
+    Qwen3: off, it answers at once), and ``day`` for any template that stamps a date, as ``date_string`` (Llama
+    3.1) and as ``strftime_now`` (Llama 3.2, Mistral Small 3: the renderer's clock, here fixed), so the same
+    document gives the same tokens on every day."""
+    return {"enable_thinking": thinking, "date_string": day.strftime("%d %b %Y"),
+            "strftime_now": lambda fmt: datetime.combine(day, time()).strftime(fmt)}
+
+
+def expects_bos(tokenizer) -> Optional[str]:
+    """The BOS text the model's tokenizer puts before any text it encodes with special tokens, or None."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return None
+    ids = list(tokenizer.encode("a", add_special_tokens=True))
+    return bos if ids[:1] == [bos_id] else None
+
+
+def build_prompt(tokenizer, document: str, instruction: str, thinking: bool = False,
+                 day: date = date.fromisoformat(CHAT_DATE)) -> PromptParts:
+    """Render the model's chat template around the document and the instruction (with ``template_kwargs``),
+    then split. A model whose tokenizer adds a BOS token gets one at the start where the template (or the
+    plain prompt of a model without one) has none."""
     marker = split_marker(document, instruction)
     content = f"{document}\n\n{marker}{instruction}"
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
+        messages = [{"role": "user", "content": content}]
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                     **template_kwargs(thinking, day))
+        except TypeError:  # a tokenizer of its own whose renderer takes no template variables
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         rendered = f"Document:\n{content}\nAnswer:"
+    bos = expects_bos(tokenizer)
+    if bos and not rendered.startswith(bos):
+        rendered = bos + rendered
     head, sep, tail = rendered.partition(marker)
     if not sep:
         raise ValueError("the chat template dropped the prompt text; cannot split context and question")
@@ -63,9 +93,10 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def repeat_instruction(tokenizer) -> Instruction:
+def repeat_instruction(tokenizer, **template) -> Instruction:
     """KVzip's "repeat the context" asked as a question is: after the compressed context, in the user's turn,
-    followed by the template's change to the assistant's turn, which then repeats each chunk."""
-    turn = build_prompt(tokenizer, "", "").question  # the chat template's text between question and answer
+    followed by the template's change to the assistant's turn, which then repeats each chunk. ``template``:
+    ``build_prompt``'s thinking and date."""
+    turn = build_prompt(tokenizer, "", "", **template).question  # the template's text between question and answer
     return Instruction(tuple(encode(tokenizer, REPEAT_FIRST)), tuple(encode(tokenizer, REPEAT_RESUME)),
                        tuple(encode(tokenizer, turn)))

@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 import nestedkv
+from nestedkv import introspect
 from nestedkv.layer_kinds import is_hybrid
 from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
@@ -65,8 +66,9 @@ class Runner:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.press = config.make_press()
         self.max_context = max_context
-        # Sliding-window and state layers cannot be stacked: a hybrid model answers one document at a time.
-        self.can_batch = not is_hybrid(model)
+        # Sliding-window and state layers cannot be stacked, nor rows padded for layers whose attention does not
+        # mask them (nestedkv.introspect): such a model answers one document at a time.
+        self.can_batch = not is_hybrid(model) and all(f.routed for f in introspect.probe(model))
         eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
         self.eos = {int(t) for t in eos if t is not None}
         self.penalty = config.penalty()  # (penalty, context) or None
@@ -88,7 +90,7 @@ class Runner:
             asked = [None]
         window.check_size(doc.doc_id, doc.n_chars, None, cfg)
         golds = list(doc.answers or []) + [None] * len(asked)
-        parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg, q)) for q in asked]
+        parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg, q), **cfg.template_args()) for q in asked]
         context_ids = encode(self.tokenizer, parts[0].context)
         window.check_size(doc.doc_id, doc.n_chars, len(context_ids), cfg)
         questions = [
@@ -198,7 +200,7 @@ class Runner:
     def repeat_prompt(self) -> nestedkv.Instruction:
         """KVzip's reconstruction instruction, in this model's tokens (encoded once)."""
         if not hasattr(self, "_repeat"):
-            self._repeat = repeat_instruction(self.tokenizer)
+            self._repeat = repeat_instruction(self.tokenizer, **self.config.template_args())
         return self._repeat
 
     def answer_all(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import CacheList, KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from nestedkv import NestedKVCache, NestedKVPress, clone, compress, layer_stats, make_cache, rewind, stack
-from tiny import make_arch_model
+from archs import make_arch_model
 
 N, CHUNK, DECODE = 200, 64, 4
 # model type -> the kinds of its two layers
@@ -141,9 +141,11 @@ class _Model:
 
 
 def test_unsupported_layer_caches_are_refused_in_one_line():
-    # deepseek_v32 and falcon_h1 give their layers a CacheList (two caches in one layer)
-    with pytest.raises(ValueError, match=r"^layer 1 uses CacheList; NestedKV supports models whose layers use"):
-        make_cache(_Model([KVCache(), CacheList(KVCache(), KVCache())]))
+    # a cache type of a model's own (deepseek_v41's compressing LayerCache), and mlx-lm's quantized cache
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    with pytest.raises(ValueError, match=r": layer 1 uses QuantizedKVCache; NestedKV supports models whose layers use"):
+        make_cache(_Model([KVCache(), QuantizedKVCache()]))
 
 
 def test_a_model_without_full_attention_is_refused():

@@ -447,7 +447,7 @@ def test_rotated_keys_attend_like_the_same_keys_rotated_back(head_budget):
 
 def test_rotated_keys_refuse_a_model_that_is_not_routed(monkeypatch):
     """mlx-lm's attention would score unrotated queries against rotated keys: the cache refuses and says how
-    to route the model; a model that cannot be routed is refused when its cache is made."""
+    to route the model; a layer whose attention cannot be routed stores its keys unrotated, and says so."""
     model = model64()
     cache = make_cache(model, NoPress(kv_bits=8))
     prefill(model, cache, toks(100), 100)
@@ -456,12 +456,12 @@ def test_rotated_keys_refuse_a_model_that_is_not_routed(monkeypatch):
     other = model64()
     with pytest.raises(RuntimeError, match="Hadamard rotation"):
         other(toks(3, seed=1)[None], cache=cache)
-    import nestedkv.kvcache as kvcache
+    from nestedkv import _routing
 
-    monkeypatch.setattr(kvcache, "install_attention_hook", lambda m, required=True: False)  # as make_cache calls it
-    with pytest.raises(ValueError, match="kv_hadamard=False"):
-        make_cache(model64(), NoPress(kv_bits=4))
-    assert make_cache(model64(), NoPress(kv_bits=4, kv_hadamard=False))  # mlx-lm's own layout needs no routing
+    monkeypatch.setattr(_routing, "can_route", lambda *a: False)  # an attention of the model's own
+    cache = make_cache(model64(), NoPress(kv_bits=4))
+    assert all(not c.press.kv_hadamard and "quantized keys not rotated" in c.adapted for c in cache)
+    assert all(c.run_press.kv_hadamard for c in cache)  # the run's press is as given
 
 
 def test_bench_quant_error_figure_ranks_the_quantizers():

@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 VOCAB = 256
 EOS = 0  # NUL never occurs in test text, so only the model can end a generation early
+BOS = 1  # SOH, the BOS of a byte tokenizer that adds one (``write_byte_tokenizer(adds_bos=True)``)
 TINY_NAME = "tiny-llama-test"
 
 
@@ -125,7 +126,6 @@ def _byte_chars() -> list[str]:
 def save_tiny_model_dir(path, seed: int = 0, n_layers: int = 2) -> Path:
     """An mlx-lm directory (config.json, safetensors, byte-level tokenizer.json) loadable by path."""
     from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -140,16 +140,30 @@ def save_tiny_model_dir(path, seed: int = 0, n_layers: int = 2) -> Path:
         "max_position_embeddings": args.max_position_embeddings, "tie_word_embeddings": True,
         "eos_token_id": EOS,
     }, path / "config.json")
+    write_byte_tokenizer(path, max_length=args.max_position_embeddings)
+    return path
+
+
+def write_byte_tokenizer(path, max_length: int = 4096, adds_bos: bool = False, **config) -> None:
+    """The byte-level tokenizer (token id = byte value) as Hugging Face files in ``path``; ``config``: more
+    ``tokenizer_config.json`` entries (a ``chat_template``, a ``bos_token`` text). ``adds_bos``: byte 1 is a
+    special BOS token (``BOS_TEXT``) that encoding with special tokens puts first, as Llama's and Gemma's do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
     chars = _byte_chars()
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
+    if adds_bos:
+        tok.add_special_tokens([AddedToken(chars[BOS], special=True)])
+        tok.post_processor = processors.TemplateProcessing(single=f"{chars[BOS]} $A",
+                                                           special_tokens=[(chars[BOS], BOS)])
+        config = {"bos_token": chars[BOS], **config}
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": chars[EOS], "bos_token": None,
-        "clean_up_tokenization_spaces": False, "model_max_length": args.max_position_embeddings,
+        "clean_up_tokenization_spaces": False, "model_max_length": max_length, **config,
     }))
-    return path
 
 
 _GGUF_LAYER = {
@@ -248,33 +262,3 @@ def feed(model, cache, toks, chunk: int = 512, each=None):
         if each is not None:
             each(i + min(chunk, toks.shape[0] - i))
     return logits
-
-
-# One config for every architecture of the matrix (tests/test_architectures.py): each model type reads the
-# keys it knows. Sliding windows of 32 rows, so a 200-token document wraps them; one layer of two each kind.
-ARCH_CONFIG = dict(
-    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, rms_norm_eps=1e-5, layer_norm_eps=1e-5, norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
-    max_position_embeddings=4096, tie_word_embeddings=True, sliding_window=32, sliding_window_pattern=2,
-    query_pre_attn_scalar=16, num_local_experts=4, num_experts=4, num_experts_per_tok=2, experts_per_token=2,
-    moe_intermediate_size=32, hidden_act="silu", n_shared_experts=1, shared_expert_intermediate_size=32,
-    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_conv_kernel_dim=4, full_attention_interval=2, partial_rotary_factor=1.0, decoder_sparse_step=1,
-    mlp_only_layers=[], norm_topk_prob=True, attention_bias=False, use_qk_norm=True, block_dim=64,
-    block_ff_dim=128, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-    conv_L_cache=3, conv_bias=False, full_attn_idxs=[1], num_heads=4, num_layers=2, logit_scale=1.0,
-    use_sliding_window=True, max_window_layers=1,
-)
-
-
-# Types whose defaults would give two layers of one kind: one sliding and one full layer instead.
-ARCH_EXTRA = {"olmo3": {"layer_types": ["sliding_attention", "full_attention"]}, "gear": {"layer_types": None}}
-
-
-def make_arch_model(kind: str, seed: int = 0, **overrides) -> nn.Module:
-    """A tiny random model of any mlx-lm model type that builds from ``ARCH_CONFIG`` (and ``overrides``)."""
-    import importlib
-
-    arch = importlib.import_module(f"mlx_lm.models.{kind}")
-    cfg = {**ARCH_CONFIG, **ARCH_EXTRA.get(kind, {}), **overrides, "model_type": kind}
-    return randomize(arch.Model(arch.ModelArgs.from_dict(cfg)), seed)

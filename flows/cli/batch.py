@@ -46,7 +46,7 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
                         shards, shard_size)
     spec = build(press, generation, input=input, task=task, model=model, db=db)
     check_environment()
-    check_before_flow(spec, data_path)
+    spec = check_before_flow(spec, data_path)
     exit_on_sigterm()
     with user_errors(), local_server.local_api(), batch_progress(configs_bar=len(spec.configs()) > 1) as hooks:
         summary = _run_spec(spec, hooks)
@@ -109,7 +109,7 @@ def sweep(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db:
           press: dict = None, generation: dict = None):
     spec = build(press, generation, input=input, task=task, model=model, db=db, reference=True, evaluate=evaluate)
     check_environment()
-    check_before_flow(spec)
+    spec = check_before_flow(spec, defaulted=press["press"] == _SWEPT["press"])
     exit_on_sigterm()
     say(f"{len(spec.configs())} configurations + the no_press reference, one prefill per document")
     with user_errors(), local_server.local_api(), batch_progress(configs_bar=True) as hooks:
@@ -182,7 +182,7 @@ def eval_(
     spec = build(compared_by_default(press), generation, input=input, task="qa", model=model, db=db, evaluate=True,
                  metrics=tuple(metric or ()))
     check_environment(prefect=False)
-    check_before_flow(spec)
+    spec = check_before_flow(spec, defaulted=press["press"] is None)
     exit_on_sigterm()  # a terminated eval closes its runs as failed (resume picks up where it stopped)
     say(f"{len(spec.configs())} configurations + the no_press reference, one prefill per document")
     with user_errors(), batch_progress(configs_bar=True) as hooks:

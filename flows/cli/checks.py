@@ -16,7 +16,7 @@ from prefect.settings import get_current_settings
 from flows.cli.common import fail, say, user_errors
 from flows.deploy import ServerUnavailable, check_server
 from flows.output import CONTROL_ESCAPES
-from nestedkv.cache import check_group_size
+from nestedkv.cache import check_group_size, unfit
 from pipeline import models
 from pipeline.documents import check_input
 from pipeline.models import cache_dir_problem
@@ -95,21 +95,45 @@ def check_input_early(input: str) -> None:
         check_input(input, pages=True)
 
 
-def check_before_flow(spec: BatchSpec, data_path: Optional[str] = None, load: bool = True) -> None:
+def check_before_flow(spec: BatchSpec, data_path: Optional[str] = None, load: bool = True,
+                      defaulted: bool = False) -> BatchSpec:
     """What can be checked before a flow starts is checked here, so an expected error is one line and
-    leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights or a
-    damaged file; the flow reuses this process's copy), and that the store opens for writing.
-    ``load=False`` (a fan-out, whose workers load the model): the reference is only resolved."""
+    leaves nothing behind: the input's pages, the model (loaded: only loading finds missing weights, a
+    damaged file or a model NestedKV cannot compress; the flow reuses this process's copy), that each press
+    runs on it, and that the store opens for writing. ``defaulted``: the presses are the command's default
+    list, from which those the model cannot run are left out (said in one line) instead of failing.
+    ``load=False`` (a fan-out, whose workers load the model): the reference is only resolved. Returns the
+    spec to run."""
     check_input_early(spec.input)
     db = spec.db
     with user_errors():
         # a bad reference fails before any loading
-        loaded = (models.load_model if load else models.check_reference)(spec.model)
+        loaded = models.load_model(spec.model, dtype=spec.options.dtype) if load else models.check_reference(spec.model)
         if load:
             check_kv_group_size(loaded[0], spec.configs())
+            spec = fitting_presses(loaded[0], spec, defaulted)
         with Store(db, wait_s=spec.options.wait, data_path=data_path, on_wait=lambda waited, total: say(
                 f"{db} is held by another writer; waited {waited:.0f} of {total:.0f} s", style="yellow")):
             pass
+    return spec
+
+
+def fitting_presses(model, spec: BatchSpec, defaulted: bool) -> BatchSpec:
+    """``spec`` less the presses ``model`` cannot run (``nestedkv.cache.unfit``): left out with one line when
+    they are a default list, else the command fails in one line naming the first."""
+    why = {}
+    for cfg in spec.configs():
+        reason = why.get(cfg.press) or unfit(model, cfg.make_press())
+        if reason:
+            why[cfg.press] = reason
+    if not why:
+        return spec
+    if not defaulted:
+        press, reason = next(iter(why.items()))
+        fail(f"--press {press}: {reason}")
+    kept = [p for p in spec.press if p not in why]
+    say(f"not compared on this model: {', '.join(why)} ({next(iter(why.values()))})", style="yellow")
+    return BatchSpec.model_validate({**spec.model_dump(), "press": kept})
 
 
 def check_kv_group_size(model, configs) -> None:

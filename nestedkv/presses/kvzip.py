@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from nestedkv import rope
 from nestedkv.presses.base import BasePress, check_ints
 from nestedkv.presses.nestedkv import NestedKVPress
 from nestedkv.probe import Instruction, peak_context_weights, probe
@@ -101,7 +100,8 @@ class KVzipNestedPress(KVzipPress):
         nested, n = NestedKVPress(), len(tokens)
         out = []
         for c, s in zip(cache, super().model_scores(model, cache, tokens, prompt)):
-            keys = rope.required(c.unrope, self.name)(c.keys[..., :n, :], 0)
+            keys = c.keys[..., :n, :]
+            keys = keys if c.unrope is None else c.unrope(keys, 0)  # a layer no rope undoes: as cached
             out.append((_ranks(s) + _ranks(nested.score(keys))) / 2)
             mx.eval(out[-1])
         return out

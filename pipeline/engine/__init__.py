@@ -94,7 +94,7 @@ SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budge
 
 def make_runner(config: RunConfig):
     """Load the configured model (cached per process) and wrap it for this configuration."""
-    model, tokenizer = models.load_model(config.model)  # through the module: tests replace it there
+    model, tokenizer = models.load_model(config.model, dtype=config.dtype)  # through the module: tests replace it
     return Runner(model, tokenizer, config, max_context=model_info(model).get("max_position_embeddings"))
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import mlx.core as mx
 
 import nestedkv
-from pipeline import map_reduce
+from pipeline import map_reduce, models
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import METRIC_HOOKS, Reference, evaluation_rows
@@ -220,7 +220,9 @@ def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, 
         return runner.prefill(prepared, res, press=nestedkv.NoPress(), on_prefill=hooks.on_prefill)
     store = open_cache(options.prefill_cache, options.prefill_cache_gb)
     n = len(prepared.context_ids)
-    key = store.key(runner.config.model, prepared.context_ids, runner.config.prefill_step_size)
+    cfg = runner.config
+    key = store.key(cfg.model_key or models.model_key(cfg.model, cfg.dtype), prepared.context_ids,
+                    cfg.prefill_step_size)
     t0 = time.perf_counter()
     mx.reset_peak_memory()
     entry = store.load(key, n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from pipeline import models
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document, RowError, check_input, load_documents
 from pipeline.spec import check_configs
@@ -60,7 +61,7 @@ def done_documents(store, config: RunConfig, evaluate: bool) -> set[tuple[str, s
 def open_plan(store, input: str, configs: Sequence[RunConfig], options: EngineOptions = EngineOptions()) -> Plan:
     """Validate the input, find what is done, and start a run for each configuration with work left
     (bad input rows are recorded in each of those runs)."""
-    configs = check_configs(configs)
+    configs = [models.keyed(c) for c in check_configs(configs)]
     check_input(input)
     docs, errors = load_documents(input)
     probe = Plan(str(input), configs, options, docs, errors, {}, {})

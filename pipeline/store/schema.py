@@ -65,6 +65,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("kept_mean", _F), ("bytes_full", _B), ("bytes_kept", _B), ("bytes_resident", _B),
         ("peak_prefill_kv_bytes", _B), ("peak_decode_kv_bytes", _B),
         ("kind", _S),  # full (compressed), sliding (window) or state: the layer's cache
+        ("adapted", _S),  # what the layer ran differently from the run's press, and why (NULL: as given)
     ],
     "evaluations": [
         ("run_id", _S), ("doc_id", _S), ("question_idx", _I), ("metric", _S), ("value", _F),

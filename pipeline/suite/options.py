@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import nestedkv
+from pipeline import models
 from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
 from pipeline.spec import PressGrid
 from pipeline.suite.variants import VARIANTS, variant_configs
@@ -99,11 +100,11 @@ class SuiteOptions:
         return tuple(self.grid.compression_ratio)
 
     def base(self) -> RunConfig:
-        return RunConfig(task="qa", model=self.model, **self.options.generation())
+        return models.keyed(RunConfig(task="qa", model=self.model, **self.options.generation()))
 
     def summary_base(self) -> RunConfig:
-        return RunConfig(task="summarize", model=self.model,
-                         **{**self.options.generation(), "max_new_tokens": self.summary_tokens})
+        return models.keyed(RunConfig(task="summarize", model=self.model,
+                                      **{**self.options.generation(), "max_new_tokens": self.summary_tokens}))
 
     def engine(self) -> EngineOptions:
         """Every stage scores against no_press; calibration and the methods share one prefill per document
