@@ -227,6 +227,21 @@ def test_softmax_attention_equals_mlx_attention(dtype, tol):
                                    atol=tol, rtol=tol)
 
 
+def test_cpu_attention_paths_keep_the_value_width_of_mla(monkeypatch):
+    """MLA models (DeepSeek-V2, MiniCPM3) attend with values narrower than queries and keys: every CPU path
+    returns the values' width, as mlx's attention does (they returned the queries' and failed to reshape)."""
+    q, k, _ = _random_attention_inputs(1, 4, 4, 64, 64, seed=2)
+    v = mx.random.normal((1, 4, 64, 8), key=mx.random.key(9))
+    want = nkv_attention._sdpa(q, k, v, cache=None, scale=0.25, mask="causal")
+    assert want.shape == (1, 4, 64, 8)
+    monkeypatch.setattr(nkv_attention, "PARALLEL_MIN_SCORES", 0)
+    plan = nkv_attention.row_plan(1, 4, 64, 64, 2)
+    for got in (nkv_attention.softmax_attention(q, k, v, 0.25, "causal"),
+                nkv_attention.numpy_rows(q, k, v, 0.25, True, plan),
+                nkv_attention._by_rows(q, k, v, 0.25, "causal", None, plan)):
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
 def test_row_blocks_keep_attention_sinks(monkeypatch):
     """Models with attention sinks keep mlx's attention in each block (the CPU softmax has no sink term)."""
     q, k, v = _random_attention_inputs(1, 4, 2, 64, 64, seed=9)

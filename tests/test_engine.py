@@ -2,6 +2,8 @@
 configuration, evaluation rows against the no_press run, resume, retries by predicate, the batched
 decode giving the same answers, and press parameters reaching the configuration hash."""
 
+import json
+
 import nestedkv
 
 import pytest
@@ -379,3 +381,25 @@ def test_a_question_too_long_for_the_window_loses_only_itself(options):
         assert o.scores[1] == {} and o.scores[0]
         rows = evaluation_rows("run", o.result, o.scores, "ref-run")
         assert rows and {r["question_idx"] for r in rows} == {0}
+
+
+def test_weights_changed_in_place_are_new_work_and_the_same_weights_resume(tmp_path, monkeypatch):
+    """Resume keys a run by the model's revision (its files' hashes), dtype and device, not its path: a model
+    folder whose weights were rewritten is not "already done" (it was), the same weights are."""
+    from pipeline import models
+    from tiny import save_tiny_model_dir
+
+    model = save_tiny_model_dir(tmp_path / "model", seed=0)
+    batch = write_batch(tmp_path / "in.parquet", sample_docs(1, 300))
+    cfg = BASE.model_copy(update={"model": str(model), "press": "keydiff", "compression_ratio": 0.5})
+    db = tmp_path / "runs.duckdb"
+    assert engine.run(batch, [cfg], db).n_processed == 1
+    models.clear_loaded()
+    assert engine.run(batch, [cfg], db).n_processed == 0  # the same weights: done
+    save_tiny_model_dir(tmp_path / "model", seed=1)  # other weights, same folder
+    models.clear_loaded()
+    summary = engine.run(batch, [cfg], db)
+    assert summary.n_processed == 1 and summary.n_ok == 1
+    keys = {json.loads(c.model_key)["revision"] for c, _ in summary.runs}
+    assert len(keys) == 1 and next(iter(keys)).startswith("sha256:")
+    assert engine.run(batch, [cfg.model_copy(update={"dtype": "bfloat16"})], db).n_processed == 1  # another dtype
