@@ -69,8 +69,34 @@ def test_no_press_answers_equal_mlx_lm_generate(weights, kind, tmp_path):
     assert {c.keys.dtype for c in cache} == {model.layers[-1].input_layernorm.weight.dtype}  # the model's dtype
 
 
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
 def nkv(*args):
     return CliRunner().invoke(app, list(map(str, args)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", sorted(WEIGHTS))
+def test_quantized_and_half_models_run_with_the_defaults(weights, tmp_path, prefect_api):
+    """``nkv run`` with every option at its default (the CPU's float32) and with the weights as stored."""
+    path = saved(tmp_path, weights)
+    batch = write_batch(tmp_path / "in.parquet", sample_docs(1, 300))
+    for dtype in ("auto", "stored"):
+        db = tmp_path / f"{dtype}.duckdb"
+        res = nkv("run", "--model", path, "--input", batch, "--task", "qa", "--max-new-tokens", 4, "--db", db,
+                  *(["--dtype", dtype] if dtype != "auto" else []))
+        assert res.exit_code == 0, (dtype, res.output, res.exception)
+        with Store(str(db), read_only=True) as store:
+            assert {r["status"] for r in store.query("SELECT status FROM outputs").to_pylist()} == {"ok"}
+            dtypes = {r["dtype"] for r in store.query("SELECT DISTINCT dtype FROM layer_memory").to_pylist()}
+        half = weights in ("bf16", "fp16") and dtype == "stored"
+        assert dtypes == ({"bfloat16" if weights == "bf16" else "float16"} if half else {"float32"}), dtypes
 
 
 FEATURES = {
@@ -80,14 +106,6 @@ FEATURES = {
     "kv-bits": ["--kv-bits", 8, "--kv-group-size", 32],
     "kvzip": ["--press", "kvzip"],
 }
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 @pytest.mark.slow
