@@ -25,6 +25,7 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from nestedkv import KeyDiffPress, NestedKVPress, NoPress, _cpu, attention, clone, compress, layer_stats, make_cache
 from nestedkv._platform import AVX2, AVX512, blas_info, cpu_cores, read_cpuinfo
+from nestedkv.cache import full_layers
 
 SIZES = (2048, 8192, 32768)
 PARAGRAPH = (
@@ -202,6 +203,14 @@ def prefill_profile(model, toks, chunk: int) -> dict:
     return out
 
 
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, text=None, random_tokens=False):
     model, tokenizer = load_model_dir(path, random_tokens)
     converted = to_fp32_on_cpu(model)
@@ -221,6 +230,7 @@ def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, tex
     profile = prefill_profile(model, toks, chunk)
 
     configs = {"no_press": NoPress(), "r=0.75": NestedKVPress(compression_ratio=0.75),
+               "r=0.75 adaptive": NestedKVPress(compression_ratio=0.75, head_budget="adaptive"),
                "r=0.9": NestedKVPress(compression_ratio=0.9)}
     results = {}
     for name, press in configs.items():
@@ -230,8 +240,10 @@ def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, tex
         compress_s = time.perf_counter() - t
         stats = layer_stats(c)
         y = first
-        y = mx.argmax(model(y, cache=c)[:, -1:, :], axis=-1)  # warm-up step, not timed
-        mx.eval(y)
+        calls = []
+        with mock.patch.object(attention, "_attend", _counting(attention._attend, calls)):
+            y = mx.argmax(model(y, cache=c)[:, -1:, :], axis=-1)  # warm-up step, not timed; its calls counted
+            mx.eval(y)
         t = time.perf_counter()
         for _ in range(new_tokens):
             y = mx.argmax(model(y, cache=c)[:, -1:, :], axis=-1)
@@ -242,6 +254,7 @@ def bench_model(path: Path, context: int, new_tokens: int, chunk: int = 512, tex
             "compress_seconds": compress_s,
             "compress_over_prefill": compress_s / prefill_s,
             "decode_tokens_per_s": new_tokens / decode_s,
+            "attention_calls_per_layer_token": len(calls) / len(full_layers(c)),
             "kept_over_full": _summary([s.bytes_kept / s.bytes_full for s in stats]),
             "resident_over_logical": _summary([s.bytes_resident / s.bytes_kept for s in stats]),
             "kept_rows_per_head": _summary([s.kept_mean for s in stats]),
@@ -323,9 +336,10 @@ def report(out: dict) -> str:
             kept = r["kept_over_full"]
             res = r["resident_over_logical"]
             line = (
-                f"  {name:<9} compress {r['compress_seconds'] * 1e3:7.1f}ms "
+                f"  {name:<15} compress {r['compress_seconds'] * 1e3:7.1f}ms "
                 f"({r['compress_over_prefill'] * 100:5.2f}% of prefill)  "
-                f"decode {r['decode_tokens_per_s']:7.1f} tok/s (x{r['decode_speedup']:.2f})  "
+                f"decode {r['decode_tokens_per_s']:7.1f} tok/s (x{r['decode_speedup']:.2f}, "
+                f"{r['attention_calls_per_layer_token']:g} attention calls a layer)  "
                 f"kept/full {kept['mean']:.3f} [{kept['min']:.3f}..{kept['max']:.3f}]  "
                 f"resident/logical {res['mean']:.2f}"
             )
@@ -337,6 +351,11 @@ def report(out: dict) -> str:
                 )
                 if name == "r=0.75":
                     line += f", decode>=1.25x {_mark(r['decode_speedup'] >= 1.25)}"
+                if name == "r=0.75 adaptive":
+                    uniform = mo["configs"]["r=0.75"]["decode_tokens_per_s"]
+                    line += (f", calls<=2 {_mark(r['attention_calls_per_layer_token'] <= 2)}, decode within 10% "
+                             f"of uniform ({r['decode_tokens_per_s'] / uniform:.2f}) "
+                             f"{_mark(r['decode_tokens_per_s'] >= 0.9 * uniform)}")
             lines.append(line)
     return "\n".join(lines)
 

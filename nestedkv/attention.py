@@ -34,6 +34,7 @@ import numpy as np
 
 from nestedkv import _cpu, _routing
 from nestedkv import buffers as buf
+from nestedkv.layouts import HeadRows
 
 _sdpa = mlx_base.scaled_dot_product_attention
 NAME = "scaled_dot_product_attention"  # the global name mlx-lm's attention layers call it by
@@ -221,6 +222,35 @@ def per_head_attention(queries, keys: list, values: list, scale, mask, sinks=Non
     return mx.concatenate(outs, axis=1)
 
 
+# Per-head rows attend in one call while its masked scores stay within this; past it (a long question over a
+# long context) one call per KV head, each within its own rows.
+ONE_CALL_SCORES = 2**24
+
+
+def head_rows_attention(queries, keys: HeadRows, values: HeadRows, scale, sinks=None, cache=None):
+    """Attention over a per-head layer (``layouts.HeadRows``) in one call: every query row of every head against
+    the layer's flat buffer, masked to its own KV head's rows and, among the rows just appended, to those up to
+    its own position (causal). One call per KV head instead where the masked scores would be large, or with
+    attention sinks (one per query head, which a flattened call cannot give)."""
+    B, Hq, L, D = queries.shape
+    H = keys.n_heads
+    T = buf.parts(keys.flat)[0].shape[2]
+    if Hq % H:
+        raise ValueError(f"per-head attention needs query heads ({Hq}) to be a multiple of KV heads ({H})")
+    if sinks is not None or Hq * L * T > ONE_CALL_SCORES:
+        return per_head_attention(queries, keys.views(), values.views(), scale, "causal" if L > 1 else None,
+                                  sinks, cache=cache)
+    row = mx.arange(T, dtype=mx.int32)
+    head = mx.sum(row[None] >= keys.starts[1:, None], axis=0)  # the KV head of each flat row
+    local = row - keys.starts[head]
+    q_head = mx.repeat(mx.arange(Hq, dtype=mx.int32) // (Hq // H), L)  # each flattened query row's KV head
+    q_pos = mx.tile(mx.arange(L, dtype=mx.int32), Hq)
+    visible = keys.ctx[q_head] + keys.tail - L + q_pos + 1  # its head's context and appended rows up to itself
+    mask = (head[None] == q_head[:, None]) & (local[None] < visible[:, None])
+    out = _attend(queries.reshape(B, 1, Hq * L, D), keys.flat, values.flat, cache, scale, mask[None, None])
+    return out.reshape(B, Hq, L, out.shape[-1])
+
+
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that understands NestedKV's ragged layouts."""
     observe = getattr(cache, "observe", None)
@@ -231,6 +261,8 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     quantized = hasattr(cache, "bits")
     if quantized and getattr(cache, "hadamard", False):
         queries = buf.hadamard(queries)  # the stored keys are rotated: rotated queries give the same scores
+    if isinstance(keys, HeadRows):
+        return head_rows_attention(queries, keys, values, scale, sinks, cache=cache)
     # Per-head rows come as a list of each head's keys; a quantized cache's keys are one (packed, scales,
     # biases) group, which mlx-lm's QuantizedKVCache may hand over as a list too.
     if isinstance(keys, list) and (not quantized or isinstance(keys[0], (list, tuple))):

@@ -14,7 +14,7 @@ the keys each full-attention cache receives:
 - otherwise: no rope nestedkv can undo (``None``): such a layer scores its keys as cached.
 
 It also records which module wrote each cache, whether that layer reads per-head rows right (a pass where the
-caches hand out each KV head's rows as a list, as adaptive head budgets store them, must give the same logits:
+caches hand out their rows as adaptive head budgets store them, ``layouts.HeadRows``, must give the same logits:
 its attention must be routed through ``nestedkv.attention`` and take the rows as they come), and whether any
 other code read the cache's rows (layers that reuse another layer's keys: they read plain rows only). The facts
 are kept on the model, computed once.
@@ -32,13 +32,14 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from nestedkv.attention import install_attention_hook
 from nestedkv.layer_kinds import FULL, is_cache_list, kind_of, leaves
+from nestedkv.layouts import PerHead
 from nestedkv.rope import from_description
 
 NO_ROPE = {"dims": 0}  # keys without position: the inverse is the identity
 PROBE_TOKENS = 8
 STARTS = (0, 3, 37)  # the first position of each pass
 TOLERANCE = 0.05  # relative difference of keys that are the same up to rounding (half precision, deep layers)
-_ATTR = "_nkv_facts"
+_ATTR, _OTHERS = "_nkv_facts", "_nkv_others"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class LayerFacts:
     n_kv_heads: int
     head_dim: int
     dtype: str
+    row_bytes: int = 0  # one position's keys and values, all heads (what the layer holds per context token)
 
     @property
     def rope_reason(self) -> Optional[str]:
@@ -113,9 +115,10 @@ class _Probe(KVCache):
             self._keys = mx.concatenate([self._keys, keys], axis=2)
             self.values = mx.concatenate([self.values, values], axis=2)
         self.rows += keys.shape[2]
-        if self.split:
-            heads = range(self._keys.shape[1])
-            return [self._keys[:, h:h + 1] for h in heads], [self.values[:, h:h + 1] for h in heads]
+        if self.split:  # as a per-head layer hands them out (every row appended: no context rows yet)
+            B, H, n, _ = self._keys.shape
+            flat = [x.reshape(B, 1, H * n, x.shape[3]) for x in (self._keys, self.values)]
+            return PerHead(*flat, [0] * H, [n] * H).head_rows_of(n, 0)
         return self._keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -166,6 +169,24 @@ class _RopeCalls:
 
     def __exit__(self, *exc):
         mx.fast.rope = self.real
+
+
+def _bounded(c) -> tuple[int, Optional[int]]:
+    """A cache kept as mlx-lm has it, after the probe's few tokens: (bytes per position, the most positions it
+    keeps) for a sliding or chunked window, (its bytes, None) for a state of constant size."""
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None or values is None:  # a state (ArraysCache): constant
+        return int(c.nbytes), None
+    k, v = (x[0] if isinstance(x, (tuple, list)) else x for x in (keys, values))
+    limit = getattr(c, "max_size", None) or getattr(c, "chunk_size", None)
+    return int((k.nbytes + v.nbytes) // max(1, k.shape[2])), limit
+
+
+def bounded_bytes(model, n: int, chunk: int) -> int:
+    """What the caches NestedKV leaves to mlx-lm (sliding, chunked, state) hold for ``n`` context tokens read in
+    chunks of ``chunk`` (a window holds its size plus the chunk being read)."""
+    probe(model)
+    return sum(size if limit is None else size * min(n, limit + chunk) for size, limit in vars(model)[_OTHERS])
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -236,7 +257,7 @@ def probe(model) -> list[LayerFacts]:
                                  ) from exc
             runs.append((start, [c for c in leaves(caches) if isinstance(c, _Probe)]))
             if start == STARTS[0]:
-                reference = logits
+                reference, others = logits, [c for c in leaves(caches) if not isinstance(c, _Probe)]
         per_head = _per_head(model, tokens, reference, len(runs[0][1]), ropes)
     paths = _paths(model)
     facts = []
@@ -247,14 +268,17 @@ def probe(model) -> list[LayerFacts]:
         keys = [(s, _keys(r[j])) for s, r in runs]
         writer = first.writer
         k = first._keys[0] if isinstance(first._keys, (tuple, list)) else first._keys
+        v = first.values[0] if isinstance(first.values, (tuple, list)) else first.values
         facts.append(LayerFacts(
             rope=_rope_of(keys, [d for d in [first.rope] if d] + list(ropes.seen.values())),
             routed=per_head[j],
             shared=bool(first.readers),
             writer=type(writer).__name__ if writer is not None else "unknown",
             writer_path=paths.get(id(writer), "") if writer is not None else "",
-            n_kv_heads=int(k.shape[1]), head_dim=int(k.shape[-1]), dtype=str(k.dtype).removeprefix("mlx.core.")))
+            n_kv_heads=int(k.shape[1]), head_dim=int(k.shape[-1]), dtype=str(k.dtype).removeprefix("mlx.core."),
+            row_bytes=int((k.nbytes + v.nbytes) // k.shape[2])))
     object.__setattr__(model, _ATTR, facts)  # not a module attribute: stays out of its parameters
+    object.__setattr__(model, _OTHERS, [_bounded(c) for c in others])
     return facts
 
 

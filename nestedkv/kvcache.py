@@ -135,6 +135,8 @@ class NestedKVCache(KVCache):
         if self.stream is not None and self.positions is not None:
             self._reposition = self._offset + self._chunk > self.positions
         self._note_peak()
+        if self.layout.ragged_heads:  # one flat buffer and where each head's rows are: one attention call
+            return self.layout.head_rows_of(self.stored, self.n_ctx_rows)
         return self.keys_and_values()
 
     @property

@@ -7,7 +7,8 @@ behind one interface, chosen by the cache (``kvcache.py``).
 - ``PerHead``: adaptive budgets (B = 1) keep each head's rows without padding in one flat buffer
   ``flat_keys``/``flat_values`` ``[1, 1, sum of region sizes, D]``, one region per KV head
   ``[its kept rows | appended rows | free]``: resident bytes follow kept bytes, and one scatter appends a token
-  to every head. ``attention.attention`` runs each KV head against its view ``[1, 1, rows_h, D]``.
+  to every head. The model gets ``HeadRows`` (the flat buffer and where each head's rows are), which
+  ``attention.attention`` attends in one call, each query head masked to its KV head's rows.
 
 ``stored`` (the longest head's rows) and ``n_ctx`` (its context rows) belong to the cache, which passes them.
 """
@@ -103,6 +104,28 @@ class Dense:
         return k, v, None, None
 
 
+class HeadRows(list):
+    """One per-head layer's keys (or values) as its model's attention gets them: the flat buffer ``flat``
+    ``[1, 1, T, D]`` (a quantized triple too), each KV head's region start ``starts`` and context rows ``ctx``
+    (``[H]`` int32 arrays; the lists ``starts_list``, ``ctx_list``), and the appended rows ``tail`` every head
+    shares. To other code an empty list, so models pass it through to their attention unchanged
+    (``nestedkv.introspect`` checks that a layer does)."""
+
+    def __init__(self, flat, layout: "PerHead", tail: int):
+        super().__init__()
+        self.flat, self.tail = flat, tail
+        self.starts_list, self.ctx_list = layout.starts, layout.head_rows
+        self.starts, self.ctx = layout.device_starts, layout.device_rows
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.starts_list)
+
+    def views(self) -> list:
+        """Each head's rows ``[1, 1, ctx_h + tail, D]``."""
+        return [buf.rows_of(self.flat, s, s + c + self.tail) for s, c in zip(self.starts_list, self.ctx_list)]
+
+
 class PerHead:
     ragged_heads = True
     padded_heads = True  # mlx-lm's attention cannot take per-head views
@@ -113,6 +136,26 @@ class PerHead:
         self.flat_keys, self.flat_values = flat_keys, flat_values
         self.head_rows = head_rows  # kept context rows per head (lists are replaced, never changed in place)
         self.head_cap = head_cap  # rows of each head's region
+
+    # The regions as lists (Python's loops) and as device arrays, made when they change, not per token.
+    @property
+    def head_cap(self) -> list[int]:
+        return self._cap
+
+    @head_cap.setter
+    def head_cap(self, cap: list[int]) -> None:
+        self._cap = cap
+        self.starts = [int(x) for x in np.cumsum([0] + cap[:-1])]  # each region's first row
+        self.device_starts = mx.array(self.starts, dtype=mx.int32)
+
+    @property
+    def head_rows(self) -> list[int]:
+        return self._rows
+
+    @head_rows.setter
+    def head_rows(self, rows: list[int]) -> None:
+        self._rows = rows
+        self.device_rows = mx.array(rows, dtype=mx.int32)
 
     @classmethod
     def from_heads(cls, keys: list, values: list, rows: list[int]) -> "PerHead":
@@ -135,6 +178,11 @@ class PerHead:
         tail = stored - n_ctx
         return self.views(self.flat_keys, tail), self.views(self.flat_values, tail)
 
+    def head_rows_of(self, stored: int, n_ctx: int) -> tuple[HeadRows, HeadRows]:
+        """What the model's attention gets: the flat buffers and where each head's rows are."""
+        tail = stored - n_ctx
+        return HeadRows(self.flat_keys, self, tail), HeadRows(self.flat_values, self, tail)
+
     def append(self, keys, values, stored: int, n_ctx: int, step: int):
         tail = stored - n_ctx
         B, H, n, _ = buf.parts(keys)[0].shape
@@ -146,11 +194,9 @@ class PerHead:
             self.flat_keys = buf.cat([x for k in ks for x in (k, zk)])
             self.flat_values = buf.cat([x for v in vs for x in (v, zv)])
             self.head_cap = [buf.parts(k)[0].shape[2] + extra for k in ks]
-        idx, off = [], 0
-        for r, cap in zip(self.head_rows, self.head_cap):
-            idx.extend(range(off + r + tail, off + r + tail + n))
-            off += cap
-        idx = mx.array(idx, dtype=mx.int32)  # head-major, like the reshape below
+        # Each head's next free rows, head-major like the reshape below (built on the device, not in Python).
+        first = self.device_starts + self.device_rows + tail
+        idx = (first[:, None] + mx.arange(n, dtype=mx.int32)[None]).reshape(-1)
         at = (slice(None), slice(None), idx, slice(None))
         buf.put(self.flat_keys, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), keys))
         buf.put(self.flat_values, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), values))

@@ -242,6 +242,30 @@ def test_cpu_attention_paths_keep_the_value_width_of_mla(monkeypatch):
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
 
 
+def test_adaptive_decode_is_one_attention_call_per_layer(tiny_model, tokens, monkeypatch):
+    """Per-head rows (adaptive budgets) decode with one attention call per layer and token, the fast path off
+    as on Metal, and give the logits one call per KV head gives; the rows stay unpadded (resident = kept)."""
+    from nestedkv import _platform
+
+    monkeypatch.setitem(_platform._state, "fast_path", False)
+    model = tiny_model("llama")
+    cache = make_cache(model, NestedKVPress(compression_ratio=0.75, head_budget="adaptive"))
+    model(tokens(300)[None], cache=cache)
+    compress(cache)
+    assert all(c.head_keys is not None and c.nbytes == c.memory(i).bytes_kept for i, c in enumerate(cache))
+    looped = clone(cache)
+    calls, real = [], nkv_attention._sdpa
+    monkeypatch.setattr(nkv_attention, "_sdpa", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    step = tokens(1, seed=3)[None]
+    one = model(step, cache=cache)
+    assert len(calls) == len(model.layers)
+    monkeypatch.setattr(nkv_attention, "ONE_CALL_SCORES", 0)  # one call per KV head
+    calls.clear()
+    per_head = model(step, cache=looped)
+    assert len(calls) == 2 * len(model.layers)
+    np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
+
+
 def test_row_blocks_keep_attention_sinks(monkeypatch):
     """Models with attention sinks keep mlx's attention in each block (the CPU softmax has no sink term)."""
     q, k, v = _random_attention_inputs(1, 4, 2, 64, 64, seed=9)
