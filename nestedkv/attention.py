@@ -38,6 +38,8 @@ from nestedkv.layouts import HeadRows
 
 _sdpa = mlx_base.scaled_dot_product_attention
 NAME = "scaled_dot_product_attention"  # the global name mlx-lm's attention layers call it by
+_ROUTED = "_nkv_routed"  # on a model instance: whether install_attention_hook routed some of its modules
+_ROUTED = "_nkv_routed"  # on a model instance: whether install_attention_hook routed some of its modules
 MIN_ROWS = 16  # query rows per block at least
 LOG2E = 1.4426950408889634
 PARALLEL_MIN_SCORES = 2**20  # B x query heads x rows x keys below which one call is as fast
@@ -162,14 +164,24 @@ def numpy_softmax(queries, keys, scale: float, causal: bool, plan, reduce=None) 
     return scores, spans, reduced
 
 
+def waves(plan: list[list[tuple[int, int]]]) -> list[list[list[tuple[int, int]]]]:
+    """``plan`` as waves of one block per stream: a wave's scores are all that is held at once."""
+    return [[todo[i : i + 1] for todo in plan if i < len(todo)] for i in range(max(map(len, plan)))]
+
+
 def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
-    """fp32 attention by the row blocks of ``plan``, the softmax in NumPy (``numpy_softmax``)."""
+    """fp32 attention by the row blocks of ``plan``, the softmax in NumPy (``numpy_softmax``), a wave of blocks
+    at a time, so the scores held at once stay within one block per stream whatever the context's length."""
     B, Hq, L, _ = queries.shape
     H = keys.shape[1]
-    weights, spans, _ = numpy_softmax(queries, keys, scale, causal, plan)
     Dv = values.shape[-1]
-    outs = {a: (p.reshape(B, H, (Hq // H) * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, Dv)
-            for p, (a, b, end) in zip(weights, spans)}
+    outs = {}
+    for wave in waves(plan):
+        weights, spans, _ = numpy_softmax(queries, keys, scale, causal, wave)
+        done = {a: (p.reshape(B, H, (Hq // H) * (b - a), end) @ values[:, :, :end]).reshape(B, Hq, b - a, Dv)
+                for p, (a, b, end) in zip(weights, spans)}
+        mx.eval(list(done.values()))  # the wave's scores are freed before the next wave is scored
+        outs.update(done)
     return mx.concatenate([outs[a] for a in sorted(outs)], axis=2)
 
 
@@ -240,13 +252,7 @@ def head_rows_attention(queries, keys: HeadRows, values: HeadRows, scale, sinks=
     if sinks is not None or Hq * L * T > ONE_CALL_SCORES:
         return per_head_attention(queries, keys.views(), values.views(), scale, "causal" if L > 1 else None,
                                   sinks, cache=cache)
-    row = mx.arange(T, dtype=mx.int32)
-    head = mx.sum(row[None] >= keys.starts[1:, None], axis=0)  # the KV head of each flat row
-    local = row - keys.starts[head]
-    q_head = mx.repeat(mx.arange(Hq, dtype=mx.int32) // (Hq // H), L)  # each flattened query row's KV head
-    q_pos = mx.tile(mx.arange(L, dtype=mx.int32), Hq)
-    visible = keys.ctx[q_head] + keys.tail - L + q_pos + 1  # its head's context and appended rows up to itself
-    mask = (head[None] == q_head[:, None]) & (local[None] < visible[:, None])
+    mask = keys.mask(Hq, L)
     out = _attend(queries.reshape(B, 1, Hq * L, D), keys.flat, values.flat, cache, scale, mask[None, None])
     return out.reshape(B, Hq, L, out.shape[-1])
 
@@ -280,13 +286,18 @@ def install_attention_hook(model, required: bool = True) -> bool:
     """Route every module of this model whose ``__call__`` calls mlx-lm's ``scaled_dot_product_attention``
     through ``attention`` (idempotent); the module and other model instances keep mlx-lm's. A model none of
     whose modules calls it raises when ``required``, else keeps its own attention; returns whether any is
-    routed (which layers are: ``nestedkv.introspect``)."""
-    mods = [m for _, m in model.named_modules()
-            if _routing.routed(m, NAME, attention) or _routing.can_route(m, NAME, _sdpa)]
-    for m in mods:
-        _routing.route(m, NAME, _sdpa, attention)
-    if mods or not required:
-        return bool(mods)
+    routed (which layers are: ``nestedkv.introspect``). Walks the model once per instance: caches ask on every
+    forward pass."""
+    found = vars(model).get(_ROUTED)
+    if found is None:
+        mods = [m for _, m in model.named_modules()
+                if _routing.routed(m, NAME, attention) or _routing.can_route(m, NAME, _sdpa)]
+        for m in mods:
+            _routing.route(m, NAME, _sdpa, attention)
+        found = bool(mods)
+        object.__setattr__(model, _ROUTED, found)  # not a module attribute: stays out of its parameters
+    if found or not required:
+        return found
     raise ValueError(
         f"head_budget='adaptive' and nestedkv.stack need a model whose attention calls mlx-lm's "
         f"scaled_dot_product_attention; {type(model).__module__} does not. Use head_budget='uniform'"

@@ -104,6 +104,9 @@ class Dense:
         return k, v, None, None
 
 
+GROWTH = 64  # rows a per-head region grows by at the most (each head's free rows are attended, masked)
+
+
 class HeadRows(list):
     """One per-head layer's keys (or values) as its model's attention gets them: the flat buffer ``flat``
     ``[1, 1, T, D]`` (a quantized triple too), each KV head's region start ``starts`` and context rows ``ctx``
@@ -113,13 +116,21 @@ class HeadRows(list):
 
     def __init__(self, flat, layout: "PerHead", tail: int):
         super().__init__()
-        self.flat, self.tail = flat, tail
+        self.flat, self.tail, self.layout = flat, tail, layout
         self.starts_list, self.ctx_list = layout.starts, layout.head_rows
-        self.starts, self.ctx = layout.device_starts, layout.device_rows
 
     @property
     def n_heads(self) -> int:
         return len(self.starts_list)
+
+    def mask(self, n_q_heads: int, L: int) -> mx.array:
+        """``[Hq * L, T]``: each flattened query row (head-major) may see its KV head's context rows and, of the
+        rows appended, those up to its own position."""
+        same, pos = self.layout.head_masks(n_q_heads, buf.parts(self.flat)[0].shape[2])
+        if L == 1:
+            return same & (pos < self.tail)[None]
+        q_pos = mx.arange(L, dtype=mx.int32) + (self.tail - L + 1)
+        return mx.repeat(same, L, axis=0) & (pos[None] < mx.tile(q_pos, n_q_heads)[:, None])
 
     def views(self) -> list:
         """Each head's rows ``[1, 1, ctx_h + tail, D]``."""
@@ -147,6 +158,7 @@ class PerHead:
         self._cap = cap
         self.starts = [int(x) for x in np.cumsum([0] + cap[:-1])]  # each region's first row
         self.device_starts = mx.array(self.starts, dtype=mx.int32)
+        self._masks = {}
 
     @property
     def head_rows(self) -> list[int]:
@@ -156,6 +168,21 @@ class PerHead:
     def head_rows(self, rows: list[int]) -> None:
         self._rows = rows
         self.device_rows = mx.array(rows, dtype=mx.int32)
+        self._masks = {}
+
+    def head_masks(self, n_q_heads: int, rows: int) -> tuple[mx.array, mx.array]:
+        """For attention over the flat buffer of ``rows`` rows: ``[Hq, rows]`` whether a row is the query head's
+        KV head's, and ``[rows]`` its place among its head's appended rows (negative: a context row). Made once
+        per region layout, not per token."""
+        key = (n_q_heads, rows)
+        if key not in self._masks:
+            row = mx.arange(rows, dtype=mx.int32)
+            head = mx.sum(row[None] >= self.device_starts[1:, None], axis=0)
+            q_head = mx.arange(n_q_heads, dtype=mx.int32) // (n_q_heads // len(self._rows))
+            pos = row - self.device_starts[head] - self.device_rows[head]
+            self._masks = {key: (head[None] == q_head[:, None], pos)}
+            mx.eval(self._masks[key])
+        return self._masks[key]
 
     @classmethod
     def from_heads(cls, keys: list, values: list, rows: list[int]) -> "PerHead":
@@ -187,7 +214,9 @@ class PerHead:
         tail = stored - n_ctx
         B, H, n, _ = buf.parts(keys)[0].shape
         if any(r + tail + n > cap for r, cap in zip(self.head_rows, self.head_cap)):
-            # Every region grows by whole steps, as KVCache does (heads share the appended count).
+            # Every region grows by whole steps (heads share the appended count); smaller ones than KVCache's,
+            # since attention reads the free rows of every region too (masked).
+            step = min(step, GROWTH)
             extra = ((n + step - 1) // step) * step
             ks, vs = self.fetch(stored, n_ctx)
             zk, zv = buf.zeros(keys, B, 1, extra), buf.zeros(values, B, 1, extra)

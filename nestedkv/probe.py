@@ -84,11 +84,30 @@ def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press
         yield
 
 
+SCORE_BYTES = 64 * 2**20  # fp32 scores held at once while scoring (per block of fed rows), on every device
+
+
 def peak_context_weights(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
     """The most softmax weight each of the first ``n`` (context) keys gets from any fed row, ``[B, H, n]``, fp32,
     query heads grouped by KV head; each fed row sees the context and the fed rows up to itself (causal,
-    aligned to the end of ``keys``). On the CPU fast path, by row blocks with the softmax in NumPy over the
-    cores, as the layers' own attention (mlx's CPU softmax runs on one thread)."""
+    aligned to the end of ``keys``). By blocks of fed rows, each reduced before the next is scored, so the scores
+    held at once stay within ``SCORE_BYTES`` whatever the context's length and the device. On the CPU fast path
+    each block's softmax runs in NumPy over the cores, as the layers' own attention (mlx's CPU softmax runs on one
+    thread)."""
+    B, Hq, L, D = queries.shape
+    S = keys.shape[2]
+    rows = max(1, min(L, SCORE_BYTES // (4 * B * Hq * S)))
+    peak = None
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        block = _block_peak(queries[:, :, a:b], keys[:, :, : S - L + b], scale, n)
+        peak = block if peak is None else mx.maximum(peak, block)
+        mx.eval(peak)  # the block's scores are freed before the next block is scored
+    return peak
+
+
+def _block_peak(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
+    """``peak_context_weights`` for the last ``L`` fed rows over ``keys`` (aligned to their end), in one go."""
     B, Hq, L, D = queries.shape
     H, S = keys.shape[1], keys.shape[2]
     g = Hq // H

@@ -20,6 +20,7 @@ import nestedkv
 from nestedkv import compat
 from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
 from nestedkv.run_defaults import COMPRESSION_RATIO
+from pipeline.sizes import parse_size
 from pipeline.metrics import HOOKED_METRICS
 from pipeline.paths import writable_folder
 
@@ -287,8 +288,19 @@ class EngineSettings(_Settings):
                                          "with a new budget or method skips the prefill")
     prefill_cache_gb: float = Field(20.0, gt=0, allow_inf_nan=False, description="size cap of the prefill cache "
                                     "(least recently used entries go first)")
+    memory_limit: Optional[str] = Field(None, description="the most a run may use for weights, KV and the "
+                                        "prefill's working buffers (8GiB, 512MiB, 16GB): each document is read "
+                                        "whole, streaming or in parts to fit it; default: 85% of the memory "
+                                        "available when the batch starts (Metal's recommended working set)")
     on_oom: Literal["fail", "streaming"] = Field("fail", description="streaming: a document whose whole-context "
                                                  "prefill runs out of memory is redone evicting while prefilling")
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_size(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parse_size(v)
+        return v
 
     @field_validator("prefill_cache")
     @classmethod

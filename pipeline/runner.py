@@ -18,7 +18,7 @@ from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import score_answer, score_logits
 from pipeline.prompts import build_prompt, encode, question_text, repeat_instruction
-from pipeline import map_reduce, window
+from pipeline import map_reduce, memory_plan, window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
 from pipeline.window import PreparedDocument
 
@@ -66,6 +66,10 @@ class Runner:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.press = config.make_press()
         self.max_context = max_context
+        # Set by the engine: the memory a run may use (None: no plan, every document read as its settings say),
+        # and every press the batch runs on a document (what it can be read by).
+        self.memory_limit: Optional[int] = None
+        self.presses = [self.press]
         # Sliding-window and state layers cannot be stacked, nor rows padded for layers whose attention does not
         # mask them (nestedkv.introspect): such a model answers one document at a time.
         self.can_batch = not is_hybrid(model) and all(f.routed for f in introspect.probe(model))
@@ -101,8 +105,33 @@ class Runner:
         if not fit:
             return prepared
         prepared = window.fit(prepared, cfg, self.max_context)
+        if self.memory_limit is not None:
+            self.plan_memory(doc, prepared)
         prepared.parts = map_reduce.parts_of(self, doc, prepared.split_room)
         return prepared
+
+    def plan_memory(self, doc: Document, prepared: PreparedDocument) -> None:
+        """Choose how the document is read within ``memory_limit`` (``pipeline.memory_plan``): whole, streaming,
+        or parts sized to fit; parts past the window are made smaller when one would not fit. Raises
+        ``memory_plan.NoPlan`` (one line, before the prefill) when no way fits."""
+        shape, chunk = self.memory_shape(), self.config.prefill_step_size
+        if prepared.split_room:  # past the window, in parts: the largest part must fit
+            part = memory_plan.plan(shape, self.model, doc.doc_id, prepared.split_room, chunk, [], self.memory_limit)
+            if part.way == memory_plan.PARTS:
+                prepared.split_room = part.part_tokens
+            prepared.memory = memory_plan.MemoryPlan(memory_plan.PARTS, part.peak_bytes, self.memory_limit,
+                                                     prepared.split_room)
+            return
+        streaming = bool(prepared.positions) or all(p.prefill == "streaming" for p in self.presses)
+        prepared.memory = memory_plan.plan(shape, self.model, doc.doc_id, len(prepared.context_ids), chunk,
+                                           self.presses, self.memory_limit, streaming=streaming)
+        if prepared.memory.way == memory_plan.PARTS:
+            prepared.split_room = prepared.memory.part_tokens
+
+    def memory_shape(self) -> memory_plan.Shape:
+        if not hasattr(self, "_shape"):
+            self._shape = memory_plan.shape_of(self.model)
+        return self._shape
 
     def _over(self, prepared: PreparedDocument, n_question: int) -> Optional[str]:
         return window.over(prepared, n_question, self.config, self.max_context)
@@ -146,6 +175,8 @@ class Runner:
             res.questions[k].status = TOO_LONG
             res.questions[k].error = f"document {doc.doc_id!r} question {k}: {why}"
         res.read_mode = prepared.read_mode
+        if prepared.memory is not None:
+            res.memory_plan, res.planned_peak_bytes = prepared.memory.label(), prepared.memory.peak_bytes
         if prepared.truncated_from:
             res.n_tokens_full = prepared.truncated_from
             res.error = f"truncated from {prepared.truncated_from} to {res.n_tokens} context tokens"
@@ -156,7 +187,7 @@ class Runner:
         press evicts while it prefills, so it is told the context length its ratio applies to."""
         press = press or self.press
         n = len(prepared.context_ids)
-        if prepared.positions and press.prefill != "streaming":  # past the window: read only while evicting
+        if (prepared.positions or prepared.stream_to_fit) and press.prefill != "streaming":  # only while evicting
             if isinstance(press, nestedkv.NoPress):
                 raise ValueError(f"a document of {n} tokens, longer than the model window of {self.max_context}, "
                                  f"is read whole only while evicting: press {press.name!r} keeps every row "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.config import CHARS_PER_TOKEN, RunConfig
+from pipeline.memory_plan import STREAMING, MemoryPlan
 
 
 class OverLimit(ValueError):
@@ -39,6 +40,12 @@ class PreparedDocument:
     # and the parts (each a PreparedDocument of its own).
     split_room: Optional[int] = None
     parts: list = field(default_factory=list)
+    memory: Optional[MemoryPlan] = None  # the way the memory plan chose (pipeline.memory_plan)
+
+    @property
+    def stream_to_fit(self) -> bool:
+        """Within the window, but read evicting while prefilling: whole would not fit the memory limit."""
+        return self.memory is not None and self.memory.way == STREAMING and not self.positions
 
     @property
     def read_mode(self) -> str:

@@ -92,8 +92,9 @@ def test_install_attention_hook_can_leave_a_foreign_attention_alone(tiny_model, 
     model = tiny_model("llama")
     assert install_attention_hook(model, required=False) is False
     assert type(model.layers[0].self_attn) is llama.Attention
+    assert install_attention_hook(model, required=False) is False  # asked again: the answer it found, kept
     monkeypatch.setattr(llama, "scaled_dot_product_attention", nkv_attention._sdpa)
-    assert install_attention_hook(model, required=False) is True
+    assert install_attention_hook(tiny_model("llama"), required=False) is True
     assert llama.scaled_dot_product_attention is nkv_attention._sdpa
 
 

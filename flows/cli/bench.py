@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from bench import kernels, long, memory, overhead, peer, press_cost, quant, rope, throughput
+from bench import (kernels, long, memory, memory_plan, overhead, peer, press_cost, quant, rope, scoring_memory,
+                   throughput)
 from bench.peer import DEFAULT_PEER_PYTHON, PeerOptions
 from flows import bench_overhead
 from flows.cli.app import COMMANDS, group
@@ -63,6 +64,40 @@ def bench_kernels(
                         out=out, **_given(chunk=chunk, text=text, sizes=scoring, repeats=repeats))
         except ValueError as exc:  # bad arguments (checked before any work) or a --text that tokenizes to nothing
             fail(str(exc))
+
+
+@bench_app.command("memory-plan")
+def bench_memory_plan(
+    model: str = ModelOpt,
+    tokens: int = typer.Option(5500, "--tokens", help="the document's length in tokens (about)"),
+    compression_ratio: float = CompressionOpt,
+    chunk: int = typer.Option(512, "--chunk", help="prefill chunk size"),
+    limit: Optional[str] = _unset("--limit", "the memory limit (default: the weights, half the document's "
+                                  "whole KV and 150 MiB)"),
+    out: Optional[str] = OutOpt,
+):
+    """A document whose whole prefill does not fit the memory limit, read within it."""
+    with user_errors():
+        try:
+            memory_plan.run_benchmark(model, tokens, compression_ratio, chunk, limit, out)
+        except ValueError as exc:
+            fail(str(exc))
+
+
+@bench_app.command("scoring-memory")
+def bench_scoring_memory(
+    model: str = ModelOpt,
+    lengths: str = typer.Option("4096,16384,32768", "--lengths", help="context lengths"),
+    layers: int = typer.Option(2, "--layers", help="the model's first layers kept (scoring is per layer)"),
+    compression_ratio: float = CompressionOpt,
+    out: Optional[str] = OutOpt,
+):
+    """Peak memory of each press's scoring at long contexts, against the KV it scores."""
+    with user_errors():
+        ns = split_list(lengths, int, "--lengths")
+        if not ns or not all(1 <= n <= INT32_MAX for n in ns) or layers < 1:
+            fail("--lengths: positive token counts; --layers: at least 1")
+        scoring_memory.run_benchmark(model, ns, layers, compression_ratio, out=out)
 
 
 @bench_app.command("memory")

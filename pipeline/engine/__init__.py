@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import mlx.core as mx
+from mlx_lm.utils import maybe_set_recommended_wired_limit
+
 from pipeline import models
 from pipeline.config import EngineOptions, RunConfig
+from pipeline.memory_plan import default_limit
+from pipeline.sizes import parse_size
 from pipeline.documents import Document, RowError
 from pipeline.engine.document import (NO_HOOKS, Hooks, Outcome, Work, compute, error_result, finish,  # noqa: F401
                                       is_out_of_memory, prefill_full, process_document, process_documents)
@@ -98,6 +104,28 @@ def make_runner(config: RunConfig):
     return Runner(model, tokenizer, config, max_context=model_info(model).get("max_position_embeddings"))
 
 
+def plan_memory(runner, plan: Plan) -> None:
+    """Give the runner the memory limit the batch reads its documents within (``--memory-limit``, else a share of
+    what is available now) and every press it runs on a document."""
+    shape = runner.memory_shape()
+    given = plan.options.memory_limit
+    runner.memory_limit = parse_size(given) if given else default_limit(shape)
+    runner.presses = [c.make_press() for c in plan.configs]
+
+
+@contextmanager
+def wired(model):
+    """On Metal, the recommended wired limit while the batch runs, as mlx-lm's generate sets it (a no-op
+    elsewhere)."""
+    old = maybe_set_recommended_wired_limit() if mx.metal.is_available() else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize()
+            mx.set_wired_limit(old)
+
+
 def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
               each: Optional[Callable[[Any, list[Document]], list[list[Outcome]]]] = None) -> Summary:
     """The batch loop: every document with work left, in input order and in groups of the options'
@@ -121,9 +149,13 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
             if hooks.on_document:
                 hooks.on_document(j, len(docs), doc, outcomes)
 
+    held = ExitStack()
     try:
         if docs and runner is None:
             runner = make_runner(plan.configs[0])
+        if docs:
+            plan_memory(runner, plan)
+            held.enter_context(wired(runner.model))
         size = plan.options.batch_size
         for g in range(0, len(docs), size):
             group = docs[g : g + size]
@@ -134,9 +166,11 @@ def run_batch(store, plan: Plan, *, hooks: Hooks = NO_HOOKS, runner=None,
                 summary.write_error = str(exc)
                 break
             count(g + 1, group, per_doc)
+            mx.clear_cache()  # the next documents' buffers come from memory, not from what these kept cached
         else:
             status = "completed"
     finally:
+        held.close()
         try:
             close_plan(store, plan, status)
         except StoreError as exc:

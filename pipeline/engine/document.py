@@ -149,7 +149,8 @@ class Work:
         whole = [c for c in todo if c.prefill == "whole"]
         streaming = {c: c.make_press() for c in todo if c.prefill != "whole"}
         fallback = None
-        if self.prepared.positions:  # past the window: read only while evicting, by every compressing configuration
+        if self.prepared.positions or self.prepared.stream_to_fit:  # read only while evicting (past the window, or
+            # whole would not fit the memory limit), by every compressing configuration
             streaming = {**self.streamed(whole, shell, None), **streaming}
             whole = []
         if whole:
@@ -239,11 +240,17 @@ def prefill_full(runner, prepared, res: DocumentResult, options: EngineOptions, 
     return cache
 
 
+# What MLX's allocators raise when memory runs out: Metal's malloc past the largest buffer or the device's
+# memory, the CPU's malloc, CUDA's; and the messages other devices give.
+OUT_OF_MEMORY = ("out of memory", "insufficient memory", "[metal::malloc]", "[malloc]", "unable to allocate",
+                 "maximum allowed buffer size", "[cuda::malloc]", "cudaerrormemoryallocation")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """MemoryError, or a device's out-of-memory error (Metal and CUDA raise RuntimeError)."""
+    """MemoryError, or a device's allocation error (MLX raises RuntimeError, e.g. "[metal::malloc] Attempting to
+    allocate ... greater than the maximum allowed buffer size", "[malloc] Unable to allocate ...")."""
     text = str(exc).lower()
-    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and ("out of memory" in text or
-                                                                             "insufficient memory" in text))
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and any(m in text for m in OUT_OF_MEMORY))
 
 
 def _merge(a: Optional[list[dict]], b: list[dict]) -> list[dict]:

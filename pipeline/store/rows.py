@@ -67,6 +67,7 @@ def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
         "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
         "peak_kv_decode_bytes": getattr(r, "peak_kv_decode_bytes", None),
         "read_mode": getattr(r, "read_mode", None),
+        "memory_plan": r.memory_plan, "planned_peak_bytes": r.planned_peak_bytes,
     }
     if not r.questions:
         return arrow("outputs", [{**doc, "status": r.status, "error": r.error}])

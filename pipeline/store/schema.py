@@ -58,6 +58,8 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("peak_decode_bytes", _B), ("peak_kv_prefill_bytes", _B), ("peak_kv_decode_bytes", _B),
         ("read_mode", _S),  # how a document was read: whole, stream (past the window) or truncate
         ("prefill_compute_s", _F),  # prefill_s as computed: differs when loaded from the prefill cache
+        ("memory_plan", _S),  # how the memory plan read it (whole, streaming, parts of N) within --memory-limit
+        ("planned_peak_bytes", _B),  # the plan's estimate of the document's peak
     ],
     "layer_memory": [
         ("run_id", _S), ("doc_id", _S), ("content_sha256", _S), ("layer", _I), ("n_kv_heads", _I),
