@@ -166,9 +166,13 @@ def layer_press(press: BasePress, facts: introspect.LayerFacts) -> tuple[BasePre
 
 def _bind(cache: list, model, press: Optional[BasePress], facts=None) -> list:
     """Give each full-attention cache the facts of its layer (the rope its keys carry, kept by ``clone`` and
-    saved files) and the press it runs (``layer_press``)."""
-    facts = introspect.probe(model) if facts is None else facts
+    saved files) and the press it runs (``layer_press``); without ``model``, the facts the layers already hold
+    (a layer loaded from a file holds none and runs ``press`` as given)."""
+    if facts is None:
+        facts = introspect.probe(model) if model is not None else [c.facts for c in full_layers(cache)]
     for c, f in zip(full_layers(cache), facts):
+        if f is None:
+            continue
         c.rope_spec, c.facts = f.rope, f
         if press is not None:
             c.run_press = press
@@ -208,6 +212,7 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     for c, s, k in zip(layers, scores, keeps):
         if isinstance(c, NestedKVCache):
             c.compress(s, k)
+            mx.eval(c.state)  # one layer's scoring buffers at a time, not every layer's at once
         else:
             remember_context(c)
     mx.eval(arrays(cache))
@@ -253,6 +258,7 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
     _check_cache(cache)
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a nestedkv press, got {type(press).__name__}")
+
     def copied(c):
         if is_kept_as_is(c):
             return copy_layer(c)
@@ -274,7 +280,7 @@ def clone(cache, press: Optional[BasePress] = None, model=None) -> list[NestedKV
             out.append(d)
         else:
             out.append(copied(c))
-    return _bind(out, model, press) if model is not None else out
+    return _bind(out, model, press) if press is not None or model is not None else out
 
 
 def arrays(cache) -> list:

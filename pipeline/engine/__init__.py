@@ -95,7 +95,8 @@ class Summary:
 
 
 SAVINGS_COLUMNS = ("run_id", "press", "compression_ratio", "head_budget", "budget", "prefill", "kv_bits", "n_documents",
-                   "kept_share", "saved_share", "resident_share", "saved_mib")
+                   "kept_share", "saved_share", "resident_share", "saved_mib", "memory_plans", "planned_peak_mib",
+                   "peak_mib")
 
 
 def make_runner(config: RunConfig):

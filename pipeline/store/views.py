@@ -3,20 +3,32 @@ uncompressed twin, peak KV bytes), replaced on every writable open so view chang
 
 # The byte sums both savings views report, per run or per run and layer.
 _RUN_KEY = "r.run_id, r.press, r.prefill, r.compression_ratio, r.head_budget, r.budget, r.kv_bits"
-_SAVED_BYTES = """
+_SAVED_COLUMNS = """
        sum(m.bytes_full)::BIGINT AS bytes_full,
        sum(m.bytes_kept)::BIGINT AS bytes_kept,
        sum(m.bytes_resident)::BIGINT AS bytes_resident,
        sum(m.bytes_kept) / nullif(sum(m.bytes_full), 0) AS kept_share,
        1 - sum(m.bytes_kept) / nullif(sum(m.bytes_full), 0) AS saved_share,
        sum(m.bytes_resident) / nullif(sum(m.bytes_full), 0) AS resident_share,
-       (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib
+       (sum(m.bytes_full) - sum(m.bytes_kept)) / 1048576.0 AS saved_mib"""
+_SAVED_BYTES = _SAVED_COLUMNS + """
 FROM runs r JOIN layer_memory m ON m.run_id = r.run_id"""
 
 MEMORY_SAVINGS_SQL = f"""
 CREATE OR REPLACE VIEW memory_savings AS
+WITH plans AS (  -- how the memory plan read each run's documents, and their peaks (outputs: one row a question)
+    SELECT run_id,
+           string_agg(DISTINCT regexp_replace(memory_plan, ' of [0-9]+$', ''), ', ' ORDER BY
+                      regexp_replace(memory_plan, ' of [0-9]+$', '')) AS memory_plans,
+           max(planned_peak_bytes) / 1048576.0 AS planned_peak_mib,
+           max(peak_prefill_bytes) / 1048576.0 AS peak_mib
+    FROM outputs GROUP BY run_id
+)
 SELECT {_RUN_KEY},
-       count(DISTINCT (m.content_sha256, m.doc_id)) AS n_documents,{_SAVED_BYTES}
+       count(DISTINCT (m.content_sha256, m.doc_id)) AS n_documents,{_SAVED_COLUMNS},
+       any_value(p.memory_plans) AS memory_plans, any_value(p.planned_peak_mib) AS planned_peak_mib,
+       any_value(p.peak_mib) AS peak_mib
+FROM runs r JOIN layer_memory m ON m.run_id = r.run_id LEFT JOIN plans p ON p.run_id = r.run_id
 GROUP BY {_RUN_KEY}
 """
 
