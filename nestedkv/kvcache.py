@@ -63,6 +63,7 @@ class NestedKVCache(KVCache):
     positions: Optional[int] = None  # rope positions the context may use (past the window), or None
     _chunk = 0  # the largest chunk seen (past the window: the room the next one needs)
     _reposition = False  # the next read of ``offset`` moves the rows first
+    _checked = None  # the layout whose caller was checked to attend through nestedkv's attention
 
     keys, values, valid = (_layout_field(n, writable=True) for n in ("keys", "values", "valid"))
     flat_keys, flat_values, head_rows, head_cap = map(_layout_field, ("flat_keys", "flat_values", "head_rows",
@@ -121,10 +122,12 @@ class NestedKVCache(KVCache):
                 self.compress()
             elif n_new > 1:
                 self._saw_prefill = True
-        if self.layout.padded_heads:
-            _attention.check_caller_routed("holds per-head rows (adaptive head budgets or nestedkv.stack)")
-        elif self.quantized and self.hadamard:
-            _attention.check_caller_routed("holds keys quantized after a Hadamard rotation (kv_hadamard)")
+        if self._checked is not self.layout:  # once per layout: the caller does not change between tokens
+            if self.layout.padded_heads:
+                _attention.check_caller_routed("holds per-head rows (adaptive head budgets or nestedkv.stack)")
+            elif self.quantized and self.hadamard:
+                _attention.check_caller_routed("holds keys quantized after a Hadamard rotation (kv_hadamard)")
+            self._checked = self.layout
         if not self.compressed and self.press.prefill == "streaming":
             eviction.stream_step(self, keys)
         if self.quantized:  # after the compress above: new rows join the kept ones quantized

@@ -158,7 +158,11 @@ class PerHead:
         self._cap = cap
         self.starts = [int(x) for x in np.cumsum([0] + cap[:-1])]  # each region's first row
         self.device_starts = mx.array(self.starts, dtype=mx.int32)
-        self._masks = {}
+        self._changed()
+
+    def _changed(self) -> None:
+        """The regions moved or their context grew: what is made from them is made again when next asked."""
+        self._masks, self._first = {}, None
 
     @property
     def head_rows(self) -> list[int]:
@@ -168,7 +172,7 @@ class PerHead:
     def head_rows(self, rows: list[int]) -> None:
         self._rows = rows
         self.device_rows = mx.array(rows, dtype=mx.int32)
-        self._masks = {}
+        self._changed()
 
     def head_masks(self, n_q_heads: int, rows: int) -> tuple[mx.array, mx.array]:
         """For attention over the flat buffer of ``rows`` rows: ``[Hq, rows]`` whether a row is the query head's
@@ -224,8 +228,12 @@ class PerHead:
             self.flat_values = buf.cat([x for v in vs for x in (v, zv)])
             self.head_cap = [buf.parts(k)[0].shape[2] + extra for k in ks]
         # Each head's next free rows, head-major like the reshape below (built on the device, not in Python).
-        first = self.device_starts + self.device_rows + tail
-        idx = (first[:, None] + mx.arange(n, dtype=mx.int32)[None]).reshape(-1)
+        if self._first is None:
+            self._first = self.device_starts + self.device_rows  # each head's first appended row
+        if n == 1:
+            idx = self._first + tail
+        else:
+            idx = (self._first[:, None] + (tail + mx.arange(n, dtype=mx.int32))[None]).reshape(-1)
         at = (slice(None), slice(None), idx, slice(None))
         buf.put(self.flat_keys, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), keys))
         buf.put(self.flat_values, at, buf.map_parts(lambda x: x.reshape(B, 1, H * n, x.shape[3]), values))
