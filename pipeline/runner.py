@@ -93,7 +93,8 @@ class Runner:
         else:
             asked = [None]
         window.check_size(doc.doc_id, doc.n_chars, None, cfg)
-        golds = list(doc.answers or []) + [None] * len(asked)
+        # gold answers belong to questions: a summary has none (a document's first answer is not its summary)
+        golds = (list(doc.answers or []) if cfg.task == "qa" else []) + [None] * len(asked)
         parts = [build_prompt(self.tokenizer, doc.text, question_text(cfg, q), **cfg.template_args()) for q in asked]
         context_ids = encode(self.tokenizer, parts[0].context)
         window.check_size(doc.doc_id, doc.n_chars, len(context_ids), cfg)

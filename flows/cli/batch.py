@@ -14,7 +14,7 @@ from flows.cli.checks import check_before_flow, check_environment, check_input_e
 from flows.cli.common import (DataPathOpt, DbOpt, InputOpt, ModelOpt, TaskOpt, fail, markup_safe, progress_bars, say,
                               spec_option, user_errors)
 from flows.cli.spec import (batch_progress, build, compared_by_default, exit_unless_done, print_input_errors,
-                            print_savings, print_summary)
+                            print_quality, print_savings, print_summary)
 from flows.deploy import ServerUnavailable, check_server, deploy_batch, serve_batch
 from flows.options import generation_options, press_options
 from flows.params import SWEEP
@@ -39,18 +39,24 @@ def run(input: str = InputOpt, task: str = TaskOpt, model: str = ModelOpt, db: s
                                            "--db); workers: prefect worker start --pool POOL --limit 1"),
         shards: Optional[int] = typer.Option(None, "--shards", help="with --pool: this many shards"),
         shard_size: Optional[int] = typer.Option(None, "--shard-size", help="with --pool: documents per shard"),
+        compare_full: bool = typer.Option(False, "--compare-full", help="also run each document uncompressed "
+                                          "(no_press) and score every run against it: delta NLL and ROUGE-L of "
+                                          "its summary or answers (one more prefill and answer per document)"),
         press: dict = None, generation: dict = None):
     if pool or shards is not None or shard_size is not None:
         check_fan_out(db, pool, shards, shard_size)
         return run_pool(build(press, generation, input=input, task=task, model=model, db=db), data_path, pool,
                         shards, shard_size)
-    spec = build(press, generation, input=input, task=task, model=model, db=db)
+    spec = build(press, generation, input=input, task=task, model=model, db=db,
+                 **({"reference": True, "evaluate": True} if compare_full else {}))
     check_environment()
     spec = check_before_flow(spec, data_path)
     exit_on_sigterm()
     with user_errors(), local_server.local_api(), batch_progress(configs_bar=len(spec.configs()) > 1) as hooks:
         summary = _run_spec(spec, hooks)
     print_summary(summary, db)
+    if compare_full:
+        print_quality(summary, db)
     exit_unless_done(summary)
 
 
@@ -172,14 +178,16 @@ def serve(
 @press_options(press=None, compression_ratio=_SWEPT["compression_ratio"])  # no --press: every compared press of the registry
 @generation_options(max_new_tokens=24, batch_decode=True)
 def eval_(
-    input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions)"),
+    input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions for qa)"),
+    task: str = spec_option("task", "qa", "qa (answers, scored against gold and no_press) or summarize "
+                            "(summaries, scored against the no_press summary)"),
     model: str = ModelOpt,
     db: str = spec_option("db", EVAL_DB),
     metric: Optional[list[str]] = typer.Option(None, "--metric", help="extra metric, repeatable: gold_kept"),
     press: dict = None,
     generation: dict = None,
 ):
-    spec = build(compared_by_default(press), generation, input=input, task="qa", model=model, db=db, evaluate=True,
+    spec = build(compared_by_default(press), generation, input=input, task=task, model=model, db=db, evaluate=True,
                  metrics=tuple(metric or ()))
     check_environment(prefect=False)
     spec = check_before_flow(spec, defaulted=press["press"] is None)

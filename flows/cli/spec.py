@@ -17,6 +17,7 @@ from pipeline.config import BatchOptions, PressSettings, parse_kv_bits, parse_pr
 from pipeline.engine import Hooks
 from pipeline.results import OK
 from pipeline.spec import FIXED_FIELDS, BatchSpec, scalar_type
+from pipeline.store import Store
 
 # Without values these are an error the spec names (nothing to run); the other press options fall back to
 # the spec's default.
@@ -114,6 +115,21 @@ def print_summary(summary, db: str) -> None:
         f"{len(summary.runs)} runs, {summary.n_processed} documents prefilled once each, {summary.n_ok} done, "
         f"{summary.n_failed} failed, {summary.n_skipped} already done, {len(summary.input_errors)} bad rows -> {db}")
     print_savings(summary.savings)
+
+
+QUALITY_COLUMNS = ("press", "compression_ratio", "head_budget", "budget", "n_docs", "delta_nll", "rouge_l",
+                   "top1_agreement", "accuracy")
+
+
+def print_quality(summary, db: str) -> None:
+    """Each compressed run of this batch against its uncompressed twin (``--compare-full``): the means over its
+    documents of the store's evaluation metrics."""
+    hashes = {c.config_hash() for c, _ in summary.runs if not c.is_reference}
+    with Store(db, read_only=True) as store:
+        rows = [{k: r.get(k) for k in QUALITY_COLUMNS} for r in store.quality_by_config()
+                if r["config_hash"] in hashes]
+    if rows:
+        print_table(pa.Table.from_pylist(rows), title="against the uncompressed run (delta NLL: lower is closer)")
 
 
 def exit_unless_done(summary) -> None:
