@@ -125,9 +125,10 @@ class NestedKVCache(KVCache):
         if self._checked is not self.layout:  # once per layout: the caller does not change between tokens
             if self.layout.padded_heads:
                 _attention.check_caller_routed("holds per-head rows (adaptive head budgets or nestedkv.stack)")
+                self._checked = self.layout
             elif self.quantized and self.hadamard:
                 _attention.check_caller_routed("holds keys quantized after a Hadamard rotation (kv_hadamard)")
-            self._checked = self.layout
+                self._checked = self.layout
         if not self.compressed and self.press.prefill == "streaming":
             eviction.stream_step(self, keys)
         if self.quantized:  # after the compress above: new rows join the kept ones quantized

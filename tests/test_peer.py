@@ -215,7 +215,9 @@ def test_methods_match_kvpress_sinks():
 
 
 # -- the peer environment -------------------------------------------------------------------------------
-peer = pytest.mark.skipif(not PEER_PYTHON.is_file(), reason=f"no kvpress environment at {PEER_PYTHON}")
+# Without the environment these skip; CI's peer step builds it and sets NKV_REQUIRE_EXTRAS=1: then they fail.
+MISSING = not PEER_PYTHON.is_file() and os.environ.get("NKV_REQUIRE_EXTRAS") != "1"
+peer = pytest.mark.skipif(MISSING, reason=f"no kvpress environment at {PEER_PYTHON} (.ci/run builds one)")
 
 
 @peer
