@@ -203,3 +203,14 @@ def test_hybrid_batch_decode_streaming_and_prefill_cache_answer_as_one_at_a_time
     assert res.status == "ok" and all(q.n_generated for q in res.questions), res.error
     full = [m for m in res.layers if m.kind == "full"]
     assert full and all(m.bytes_kept < m.bytes_full for m in full)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5", "mistral3"])
+def test_a_wrapper_model_reads_its_text_models_window(kind):
+    """Gemma 3 4B and up, Qwen3.5 and Mistral 3 keep their language model's settings in ``text_config``:
+    the window comes from there (it came back None, and documents past it were read as if none existed)."""
+    from pipeline.model_shape import model_info
+
+    model = make_arch_model(kind)
+    text = model.language_model.args
+    assert model_info(model)["max_position_embeddings"] == text.max_position_embeddings is not None
