@@ -391,7 +391,7 @@ def _save_file_hashes(hashes: dict) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{_HASHES}-", dir=root)
         with os.fdopen(fd, "w") as f:
-            json.dump(hashes, f)
+            json.dump({k: v for k, v in hashes.items() if os.path.exists(k)}, f)  # files since removed go
         os.replace(tmp, root / _HASHES)
     except OSError as exc:  # an unwritable cache folder costs a hash next time, never the run
         log.warning("could not keep model file hashes in %s (%s)", root, exc)

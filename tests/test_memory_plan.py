@@ -38,6 +38,13 @@ def limits(model, n, chunk, press):
     return shape, whole, streaming
 
 
+def document_limits(model, cfg, chars: int) -> tuple[int, int]:
+    """The whole and streaming estimates for a sample document of ``chars`` characters, as the runner reads it."""
+    runner = engine.make_runner(cfg)
+    n = len(runner.prepare(Document(**sample_docs(1, chars)[0]), fit=False).context_ids)
+    return limits(model, n, cfg.prefill_step_size, cfg.make_press())[1:]
+
+
 def test_the_plan_takes_the_first_way_that_fits():
     model = tiny_model()
     press = BASE.model_copy(update={"compression_ratio": 0.75}).make_press()
@@ -59,9 +66,7 @@ def test_a_limit_between_streaming_and_whole_streams_every_document_with_its_pea
     cfg = BASE.model_copy(update={"compression_ratio": 0.75})
     with use_tiny_model(monkeypatch) as ((model, _), _):
         batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 1400))
-        runner = engine.make_runner(cfg)
-        n = len(runner.prepare(Document(**sample_docs(1, 1400)[0]), fit=False).context_ids)
-        _, whole, streaming = limits(model, n, cfg.prefill_step_size, cfg.make_press())
+        whole, streaming = document_limits(model, cfg, 1400)
         limit = (whole + streaming) // 2
         summary = engine.run(batch, [cfg], tmp_path / "r.duckdb", EngineOptions(memory_limit=str(limit)))
         assert summary.n_ok == 2 and summary.n_failed == 0
@@ -84,9 +89,7 @@ def test_an_evaluation_reads_in_parts_and_a_limit_below_any_way_is_one_line_befo
     cfg = BASE.model_copy(update={"compression_ratio": 0.75})
     with use_tiny_model(monkeypatch) as ((model, _), _):
         batch = write_batch(tmp_path / "in.parquet", sample_docs(1, 1400))
-        runner = engine.make_runner(cfg)
-        n = len(runner.prepare(Document(**sample_docs(1, 1400)[0]), fit=False).context_ids)
-        _, whole, _ = limits(model, n, cfg.prefill_step_size, cfg.make_press())
+        whole, _ = document_limits(model, cfg, 1400)
         opts = EngineOptions(evaluate=True, memory_limit=str(whole - 1))  # the reference cannot stream
         summary = engine.run(batch, [cfg], tmp_path / "e.duckdb", opts)
         assert summary.n_failed == 0, [o.result.error for o in summary.outcomes]
