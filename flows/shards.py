@@ -36,6 +36,7 @@ from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
 from flows.deploy import batch_parameters, check_server, deploy_batch
+from pipeline import models
 from pipeline.config import RunConfig
 from pipeline.documents import Document, RowError, load_documents
 from pipeline.spec import BatchSpec
@@ -256,7 +257,9 @@ def fan_out(spec: BatchSpec, pool: str, *, shards: Optional[int] = None,
     a shard whose flow run fails or crashes while we wait. ``stale_after_s``: a running flow run without a heartbeat for this long is taken as gone (default:
     3 heartbeat periods).
     """
-    input, db, config = spec.input, spec.db, spec.config()
+    # The workers key their runs by the model as they load it (revision, dtype, device): so does the progress
+    # read here, for workers on a device like this one (a fleet of mixed devices resumes per device).
+    input, db, config = spec.input, spec.db, models.keyed(spec.config())
     start = time.monotonic()
     check_server()
     folder = shard_folder(db, data_path)
