@@ -72,7 +72,7 @@ class _Probe(KVCache):
         self._keys = self.values = None
         self.start, self.rows, self.writer, self.rope, self.ropes = start, 0, None, None, ropes
         self.readers: set[int] = set()
-        self.split = False  # hand out each KV head's rows as a list (the per-head layout)
+        self.split = False  # hand out its rows as a per-head layer does (layouts.HeadRows)
 
     def _read(self) -> None:
         reader = sys._getframe(2).f_locals.get("self")
