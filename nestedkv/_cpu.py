@@ -15,7 +15,6 @@ MAX_STREAMS = 4
 CHUNK_BYTES = 16 * 2**20
 _STREAMS: list = []
 _POOL: list = []
-_NUMPY_BLAS: list = []
 
 
 def pool() -> ThreadPoolExecutor:
@@ -23,18 +22,6 @@ def pool() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="nkv-cpu"))
     return _POOL[0]
-
-
-def numpy_blas_single() -> None:
-    """NumPy's BLAS to one thread (once per process). NumPy ships its own OpenBLAS; its threads, spinning
-    after each small product, take the cores from mlx's BLAS between decode steps (decode at 0.6 of its
-    speed, measured). The products NumPy runs here are one query group against one head's rows: one thread
-    does them."""
-    if not _NUMPY_BLAS:
-        from threadpoolctl import ThreadpoolController
-
-        ThreadpoolController().select(prefix="libscipy_openblas").limit(limits=1)
-        _NUMPY_BLAS.append(True)
 
 
 def stream(i: int) -> mx.Stream:

@@ -169,35 +169,6 @@ def waves(plan: list[list[tuple[int, int]]]) -> list[list[list[tuple[int, int]]]
     return [[todo[i : i + 1] for todo in plan if i < len(todo)] for i in range(max(map(len, plan)))]
 
 
-def _fp32(*arrays) -> bool:
-    return all(x.dtype == mx.float32 for x in arrays)
-
-
-def numpy_decode(queries, keys, values, scale: float, spans=None) -> mx.array:
-    """One query row per head (a decode step), fp32, in NumPy: each KV head's rows (``spans``: its
-    ``(start, end)`` rows of a one-head flat buffer; None: ``keys`` is ``[B, H, S, D]``) against its query group.
-    On the CPU every mlx op costs tens of microseconds; here a head's rows cost one small GEMM, so ragged heads
-    decode at the speed of uniform ones."""
-    B, Hq, _, D = queries.shape
-    _cpu.numpy_blas_single()
-    mx.eval(queries, keys, values)
-    Q = np.asarray(queries).reshape(B, Hq, D) * np.float32(scale * LOG2E)
-    K, V = np.asarray(keys), np.asarray(values)
-    H = K.shape[1] if spans is None else len(spans)
-    g = Hq // H
-    out = np.empty((B, Hq, V.shape[-1]), np.float32)
-    for b in range(B):
-        for h in range(H):
-            k, v = (K[b, h], V[b, h]) if spans is None else (K[b, 0, spans[h][0]:spans[h][1]],
-                                                             V[b, 0, spans[h][0]:spans[h][1]])
-            s = Q[b, h * g:(h + 1) * g] @ k.T
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp2(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            np.matmul(s, v, out=out[b, h * g:(h + 1) * g])
-    return mx.array(out.reshape(B, Hq, 1, V.shape[-1]))
-
-
 def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.array:
     """fp32 attention by the row blocks of ``plan``, the softmax in NumPy (``numpy_softmax``), a wave of blocks
     at a time, so the scores held at once stay within one block per stream whatever the context's length."""
@@ -214,12 +185,9 @@ def numpy_rows(queries, keys, values, scale: float, causal: bool, plan) -> mx.ar
     return mx.concatenate([outs[a] for a in sorted(outs)], axis=2)
 
 
-def _attend(queries, keys, values, cache, scale, mask, sinks=None, spans=None):
+def _attend(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention; with the CPU fast path ``softmax_attention``, long query chunks by row blocks over
-    the cores (see ``row_plan``), fp32 decode steps in NumPy. ``spans``: a decode step over a per-head flat
-    buffer, each KV head's rows (``numpy_decode``), or None where NumPy cannot take it (the caller masks)."""
-    if spans is not None:
-        return numpy_decode(queries, keys, values, scale, spans) if _fp32(queries, keys, values) else None
+    the cores (see ``row_plan``)."""
     splittable = (
         _cpu.fast()
         and not hasattr(cache, "bits")
@@ -229,12 +197,11 @@ def _attend(queries, keys, values, cache, scale, mask, sinks=None, spans=None):
     if splittable:
         B, Hq, L, _ = queries.shape
         plan = row_plan(B, Hq, L, keys.shape[2], _cpu.streams_for(L // MIN_ROWS))
-        if plan and sinks is None and isinstance(mask, (str, type(None))) and _fp32(queries, keys, values):
+        if plan and sinks is None and isinstance(mask, (str, type(None))) and all(
+                x.dtype == mx.float32 for x in (queries, keys, values)):
             return numpy_rows(queries, keys, values, scale, mask == "causal", plan)
         if plan:
             return _by_rows(queries, keys, values, scale, mask, sinks, plan)
-        if L == 1 and sinks is None and mask is None and _fp32(queries, keys, values):
-            return numpy_decode(queries, keys, values, scale)
         if sinks is None:  # decode steps too: ~25% faster than mlx's CPU attention for 5 rows, 400 keys
             return softmax_attention(queries, keys, values, scale, mask)
     return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -285,11 +252,6 @@ def head_rows_attention(queries, keys: HeadRows, values: HeadRows, scale, sinks=
     if sinks is not None or Hq * L * T > ONE_CALL_SCORES:
         return per_head_attention(queries, keys.views(), values.views(), scale, "causal" if L > 1 else None,
                                   sinks, cache=cache)
-    if L == 1 and _cpu.fast() and not hasattr(cache, "bits"):
-        spans = [(s, s + c + keys.tail) for s, c in zip(keys.starts_list, keys.ctx_list)]
-        out = _attend(queries, keys.flat, values.flat, cache, scale, None, spans=spans)
-        if out is not None:
-            return out
     mask = keys.mask(Hq, L)
     out = _attend(queries.reshape(B, 1, Hq * L, D), keys.flat, values.flat, cache, scale, mask[None, None])
     return out.reshape(B, Hq, L, out.shape[-1])

@@ -415,28 +415,3 @@ def test_prefill_profile_times_the_three_attention_paths(tiny_model, tokens, mon
     prof = bench.prefill_profile(model, tokens(300, seed=4), 128)
     assert set(prof) == {"numpy_blocks", "mlx_blocks", "no_attention"} and all(v > 0 for v in prof.values())
     assert (nkv_attention.numpy_rows, nkv_attention._attend) == before
-
-
-@pytest.mark.parametrize("budget", ["uniform", "adaptive"])
-def test_numpy_decode_steps_equal_mlx_attention_across_region_growth(tiny_model, tokens, budget, monkeypatch):
-    """The CPU fast path's decode steps (NumPy, one small product per KV head) give mlx's logits, step after
-    step, past the point where each head's region grows (``layouts.GROWTH`` rows)."""
-    from nestedkv import _platform, layouts
-
-    model = tiny_model("llama")
-    cache = make_cache(model, NestedKVPress(compression_ratio=0.75, head_budget=budget))
-    model(tokens(300)[None], cache=cache)
-    compress(cache)
-    other = clone(cache)
-    routed = []
-    real = nkv_attention.numpy_decode
-    monkeypatch.setattr(nkv_attention, "numpy_decode", lambda *a, **k: (routed.append(1), real(*a, **k))[1])
-    y = tokens(1, seed=4)[None]
-    for _ in range(layouts.GROWTH + 6):
-        fast = model(y, cache=cache)
-        monkeypatch.setitem(_platform._state, "fast_path", False)
-        slow = model(y, cache=other)
-        monkeypatch.setitem(_platform._state, "fast_path", True)
-        np.testing.assert_allclose(np.array(fast), np.array(slow), atol=1e-4, rtol=1e-4)
-        y = mx.argmax(slow[:, -1:], axis=-1)
-    assert len(routed) == (layouts.GROWTH + 6) * len(model.layers)
