@@ -28,6 +28,7 @@ functions of strings and logits; ``teacher_force`` is the only one that runs the
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 from functools import lru_cache
 from typing import Any, Optional, Sequence
@@ -38,7 +39,7 @@ from rouge_score import rouge_scorer
 
 import nestedkv
 from nestedkv.cache import full_layers, layer_press
-from pipeline.metrics import (AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
+from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE, COVERAGE_ENDS, COVERAGE_MIDDLE, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
                               GOLD_NLL, METRICS, REFERENCE_METRICS, ROUGE_L, TOP1)
 from pipeline.prompts import encode
 from pipeline.results import TOO_LONG
@@ -84,6 +85,22 @@ def rouge_l(answer: Optional[str], reference: Optional[str]) -> float:
     if exact_match(answer, reference):
         return 1.0
     return float(_rouge_scorer().score(reference or "", answer or "")["rougeL"].fmeasure)
+
+
+def coverage(summary: Optional[str], parts: Sequence[Sequence[str]], depths: Sequence[float],
+             middle: tuple[float, float] = (0.3, 0.7)) -> dict:
+    """The share of planted events a summary names (an event counts when any of its ``parts``, the names of its
+    person and place, occurs as a whole word in any case, a possessive too), over all of them, those planted in
+    ``middle`` and those outside it (NaN where a group has none)."""
+    found = [any(re.search(rf"\b{re.escape(p)}\b", summary or "", re.IGNORECASE) for p in names) for names in parts]
+    inside = [middle[0] <= d < middle[1] for d in depths]
+
+    def share(pick) -> float:
+        xs = [f for f, i in zip(found, inside) if pick(i)]
+        return sum(xs) / len(xs) if xs else math.nan
+
+    return {COVERAGE: share(lambda i: True), COVERAGE_MIDDLE: share(lambda i: i),
+            COVERAGE_ENDS: share(lambda i: not i)}
 
 
 # -- logits ---------------------------------------------------------------------------------------------

@@ -6,4 +6,8 @@ GOLD_KEPT, GOLD_NLL, DELTA_GOLD_NLL = "gold_kept", "gold_nll", "delta_gold_nll"
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_NLL, DELTA_GOLD_NLL)
 GOLD_METRICS = (CORRECT, GOLD_KEPT, GOLD_NLL)  # scored against gold: reference_run_id is NULL
 REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # scored against the no_press run
+# Summaries of documents with planted events (``pipeline.tasks.summary_documents``): the share they name, over
+# all events, those in the middle 30-70% and those outside it. Scored against the plant: reference_run_id NULL.
+COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS = "coverage", "coverage_middle", "coverage_ends"
+COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS)
 HOOKED_METRICS = (GOLD_KEPT,)  # computed only when a run asks (--metrics): pipeline.evaluate.METRIC_HOOKS

@@ -1,6 +1,7 @@
 """The synthetic long-context tasks (pipeline.tasks) and the suite that runs them (pipeline.suite), on the
 quick size with the byte tokenizer and a tiny random model."""
 
+import math
 import re
 from collections import Counter
 
@@ -59,6 +60,42 @@ def test_standard_lengths_with_a_word_tokenizer():
     for d in docs + plain:
         assert 0.97 * d["length"] <= d["n_tokens"] <= d["length"], (d["doc_id"], d["n_tokens"])
     assert [d["questions"] for d in plain] == [None, None] and plain[0]["text"] != plain[1]["text"]
+
+
+def test_summary_documents_plant_one_event_per_band_and_a_middle_cut_loses_the_middle():
+    words = lambda text: len(text.split())  # noqa: E731
+    rows = tasks.summary_documents(words, (2048,), per_length=3, seed=4, middle_cut=True)
+    whole = [d for d in rows if d["task"] == "summary"]
+    assert len(whole) == 3 and len(rows) == 6
+    for d in whole:
+        cut = next(c for c in rows if c["doc_id"] == d["doc_id"] + "-cut")
+        assert len(d["parts"]) == len(d["depths"]) == len(d["evidence"]) == 6
+        assert d["depths"] == sorted(d["depths"]) and d["depths"][0] < 0.3 and d["depths"][-1] >= 0.7
+        assert any(0.3 <= x < 0.7 for x in d["depths"])
+        for names, (sentence,), depth in zip(d["parts"], d["evidence"], d["depths"]):
+            assert all(len(re.findall(rf"\b{re.escape(n)}\b", d["text"])) == 1 for n in names)
+            at = d["text"].index(sentence) / len(d["text"])
+            assert at == depth
+            kept = sentence in cut["text"]
+            if 0.35 <= at < 0.65:  # well inside the middle: cut; well outside: kept
+                assert not kept
+            elif not 0.25 <= at < 0.75:
+                assert kept
+        assert words(cut["text"]) < 0.75 * words(d["text"])
+    again = tasks.summary_documents(words, (2048,), per_length=3, seed=4)
+    assert [d["text"] for d in again] == [d["text"] for d in whole]  # the cut draws nothing
+
+
+def test_coverage_counts_the_events_a_summary_names_by_depth():
+    from pipeline.evaluate import coverage
+
+    parts = [["Ottoline", "Quillfeather"], ["Crispin", "Marchbanks"], ["Euphemia", "Kettleburn"]]
+    depths = [0.1, 0.5, 0.9]
+    got = coverage("Mr. Quillfeather's stables burned; EUPHEMIA came from the sea.", parts, depths)
+    assert got == {"coverage": 2 / 3, "coverage_middle": 0.0, "coverage_ends": 1.0}
+    assert coverage("Crispin's hat", parts, depths)["coverage_middle"] == 1.0
+    assert coverage("Marchbankses", parts, depths)["coverage"] == 0.0  # whole words only
+    assert math.isnan(coverage("x", parts[:1], depths[:1])["coverage_middle"])
 
 
 def test_needles_are_present_once_and_answer_their_question(docs):
@@ -196,6 +233,38 @@ def test_suite_pairs_and_labels_each_kv_width_apart():
     assert "| keydiff | 0.75 * | adaptive | whole |" in table and "| keydiff | 0.75 | adaptive | whole 4-bit |" in table
 
 
+@pytest.mark.slow  # the summary stage on a tiny model
+def test_suite_summaries_only_score_coverage_cost_and_pairs(monkeypatch, tmp_path):
+    opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
+                              lengths=(768,), grid=PressGrid(press=["nestedkv", "keydiff"], compression_ratio=[0.75],
+                                                             head_budget=["uniform"]),
+                              options=BatchOptions(max_new_tokens=3), long_from=768, summaries=2, summary_tokens=4,
+                              summaries_only=True)
+    with use_tiny_model(monkeypatch):
+        res = suite.run_suite(opts, count=COUNT, log=lambda m: None)
+    text = res.markdown_path.read_text()
+    assert "## Calibration" not in text and "## Summaries: what the planted events kept" in text
+    for row in ("| no_press | - | 768 | 2 |", "| no_press (middle cut) | - | 768 | 2 |",
+                "| nestedkv uniform | 0.75 | 768 | 2 |", "| keydiff uniform | 0.75 | 768 | 2 |"):
+        assert row in text, text
+    assert "| keydiff | 0.75 | uniform | whole | 2 |" in text  # the pairing per document
+    from pipeline.store import Store
+
+    with Store(opts.db, read_only=True) as store:
+        got = store.query("""
+            SELECT r.press, o.doc_id LIKE '%-cut' AS cut, count(DISTINCT o.doc_id) AS docs,
+                   count(*) FILTER (WHERE e.metric = 'coverage') AS coverage
+            FROM outputs o JOIN runs r USING (run_id)
+            LEFT JOIN evaluations e ON e.run_id = o.run_id AND e.doc_id = o.doc_id
+            GROUP BY ALL ORDER BY ALL""").to_pylist()
+    assert got == [{"press": "keydiff", "cut": False, "docs": 2, "coverage": 2},
+                   {"press": "nestedkv", "cut": False, "docs": 2, "coverage": 2},
+                   {"press": "no_press", "cut": False, "docs": 2, "coverage": 2},
+                   {"press": "no_press", "cut": True, "docs": 2, "coverage": 2}]
+    with pytest.raises(ValueError, match="summaries_only needs summaries"):
+        suite.SuiteOptions(summaries_only=True)
+
+
 @pytest.mark.slow  # the whole suite on a tiny model
 def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     opts = suite.SuiteOptions(model=TINY_NAME, db=str(tmp_path / "s.duckdb"), out=str(tmp_path / "rep"),
@@ -211,7 +280,8 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     assert "## Calibration" in text and "## Headline" in text and "niah_single" in text
     assert "## Per-scale ablation of NestedKV: accuracy" in text and "| stable only | 0.75 |" in text
     assert "## Per-scale ablation of NestedKV: delta gold NLL" in text and "Delta gold NLL (teacher-forced" in text
-    assert "## Summaries at length" in text and "| nestedkv uniform | 0.75 | 768 | 1 |" in text
+    assert "## Summaries: what the planted events kept" in text and "| nestedkv uniform | 0.75 | 768 | 1 |" in text
+    assert "| no_press | - | 768 | 1 |" in text and "| no_press (middle cut) | - | 768 | 1 |" in text
     assert res.plot_path is not None and res.plot_path.stat().st_size > 0
     assert {(c["task"], c["length"]) for c in res.calibration} == {("niah_single", 768), ("variable_tracking", 768)}
     assert all(c["headline"] for c in res.calibration)

@@ -53,6 +53,8 @@ def suite(
                                            "(default: all, e.g. 'block only,window only post-RoPE')"),
     summaries: int = typer.Option(0, "--summaries", help="plain documents per long length whose compressed "
                                   "summaries are compared with the uncompressed one"),
+    summaries_only: bool = typer.Option(False, "--summaries-only", help="only the summaries: no task documents, "
+                                        "calibration or methods"),
     austen: Optional[str] = typer.Option(None, "--austen", help="folder with the Austen .txt files"),
     long_from: int = typer.Option(4096, "--long-from", help="documents of at least this many tokens make the "
                                   "headline, the ablation and the summaries"),
@@ -67,6 +69,7 @@ def suite(
             tasks=tuple(split_list(tasks, str, "--tasks")) or TASKS,
             grid=PressGrid(**press_grid(press)), options=BatchOptions(**generation), threshold=threshold,
             all_tasks=all_tasks, ablation=ablation, summaries=summaries, long_from=long_from, austen=austen,
+            summaries_only=summaries_only,
             variants=tuple(split_list(variants, str, "--variants")) if variants else None)
         configs = opts.configs()  # validate the press options before any work
     except ValueError as exc:

@@ -8,7 +8,8 @@ from datetime import datetime
 from typing import Iterable, Optional, Sequence
 
 from pipeline.config import RunConfig
-from pipeline.metrics import AGREE_EXACT, CORRECT, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L, TOP1
+from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE_METRICS, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L,
+                              TOP1)
 from pipeline.results import OK
 from pipeline.store import lake
 from pipeline.store.reads import Reads
@@ -100,7 +101,8 @@ SELECT r.config_hash, r.press, r.compression_ratio, r.head_budget, r.prefill, {{
        e.value
 FROM evaluations e JOIN runs r ON r.run_id = e.run_id
 JOIN (SELECT DISTINCT run_id, doc_id, content_sha256 FROM outputs) o ON o.run_id = e.run_id AND o.doc_id = e.doc_id
-WHERE e.metric IN ('{ROUGE_L}', '{DELTA_NLL}') AND r.config_hash IN (SELECT unnest($hashes))
+WHERE e.metric IN ('{ROUGE_L}', '{DELTA_NLL}', {", ".join(f"'{m}'" for m in COVERAGE_METRICS)})
+    AND r.config_hash IN (SELECT unnest($hashes))
     AND o.content_sha256 IN (SELECT unnest($docs))
 QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.metric ORDER BY r.created_at DESC, r.run_id DESC) = 1
 """
@@ -230,6 +232,15 @@ class Queries(Reads):
                 SELECT 1 FROM evaluations e WHERE e.run_id = o.run_id AND e.doc_id = o.doc_id
                     AND e.question_idx = o.question_idx AND e.metric = 'recall')
         """).to_pylist()
+
+    def unscored_outputs(self, docs: Sequence[str], metric: str) -> list[dict]:
+        """Ok outputs for these document content hashes without a ``metric`` row yet."""
+        return self.query("""
+            SELECT o.run_id, o.doc_id, o.question_idx, o.content_sha256, o.output FROM outputs o
+            WHERE o.status = 'ok' AND o.content_sha256 IN (SELECT unnest($docs)) AND NOT EXISTS (
+                SELECT 1 FROM evaluations e WHERE e.run_id = o.run_id AND e.doc_id = o.doc_id
+                    AND e.question_idx = o.question_idx AND e.metric = $metric)
+        """, {"docs": list(docs), "metric": metric}).to_pylist()
 
     def suite_scores(self, hashes: Sequence[str], docs: Sequence[str], metric: str) -> list[dict]:
         """The latest run's ``metric`` per (configuration, document, question), with the question's task and

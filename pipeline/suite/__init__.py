@@ -35,12 +35,12 @@ from pipeline.engine import NO_HOOKS
 from pipeline.store import Store
 # Re-exported: importers name pipeline.suite, whichever module defines the name.
 from pipeline.suite.options import (ABLATION_FILE, HEADLINE_RATIOS, LONG_FROM, MARKDOWN_NAME, METHODS_FILE,  # noqa: F401
-                                    PLOT_NAME, PREFILLS_DIR, QUESTIONS_FILE, SUITE_FILE, SUMMARY_FILE, SuiteOptions,
+                                    PLOT_NAME, PREFILLS_DIR, QUESTIONS_FILE, SUITE_FILE, SUMMARY_FILE, CUT_FILE, SuiteOptions,
                                     SuiteResult, methods)
 from pipeline.suite.report import (ablation_table, colour, accuracy_tables, headline_table, plot_frontier,  # noqa: F401
                                    resident_mib, summary_table, write_report)
 from pipeline.suite.scores import (RECALL, calibration, headline, label, paired, question_rows, recall,  # noqa: F401
-                                   register, score)
+                                   register, score, score_coverage)
 from pipeline.tasks import SIZES, generate, length_label, token_counter, write
 
 
@@ -53,6 +53,11 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
     t0 = time.perf_counter()
     if count is None:
         count = token_counter(models.load_model(opts.model)[1])  # through the module: tests replace it there
+    if opts.summaries_only:
+        summaries = run_summaries(opts, count, hooks, log, stage)
+        with Store(opts.db) as store:
+            score_coverage(store, summaries)
+            return write_report(store, opts, [], stage, summaries)
     size = SIZES[opts.size]
     docs = generate(count, opts.lengths or size.lengths, opts.per_task or size.per_task, opts.seed, opts.tasks,
                     Path(opts.austen) if opts.austen else None)
@@ -92,14 +97,32 @@ def run_suite(opts: SuiteOptions, *, runner=None, count=None, hooks=None, log=pr
             log(f"{len(want)} configurations on {len(part)} documents")
             run(str(write(part, out / name)), want, opts.db, engine, hooks=hooks, runner=runner, wait_s=wait_s)
     stage["methods"] = time.perf_counter() - t0
-    summaries = opts.summary_documents(count)
-    if summaries and opts.presses:
-        t0 = time.perf_counter()
-        configs = opts.configs(opts.summary_base())
-        log(f"summaries: {len(configs)} configurations on {len(summaries)} documents")
-        run(str(write(summaries, out / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None,
-            wait_s=wait_s)
-        stage["summaries"] = time.perf_counter() - t0
+    summaries = run_summaries(opts, count, hooks, log, stage)
     with Store(opts.db) as store:
         score(store)
+        score_coverage(store, summaries)
         return write_report(store, opts, docs, stage, summaries)
+
+
+def run_summaries(opts: SuiteOptions, count, hooks, log, stage: dict) -> list[dict]:
+    """The summary stage: every configuration on the summary documents, the uncompressed model on their
+    middle cuts too; returns the documents (none without ``opts.summaries`` or compared presses)."""
+    summaries = opts.summary_documents(count)
+    if not summaries or not opts.presses:
+        return []
+    run = pipeline.engine.run
+    engine, wait_s = opts.engine(), opts.options.wait
+    t0 = time.perf_counter()
+    configs = opts.configs(opts.summary_base())
+    whole = [d for d in summaries if d["task"] == "summary"]
+    cuts = [d for d in summaries if d["task"] != "summary"]
+    log(f"summaries: {len(configs)} configurations on {len(whole)} documents, the uncompressed model on "
+        f"{len(cuts)} middle cuts")
+    run(str(write(whole, opts.out_dir / SUMMARY_FILE)), configs, opts.db, engine, hooks=hooks, runner=None,
+        wait_s=wait_s)
+    if cuts:  # what the coverage measure gives for a lost middle: the uncompressed model on the ends alone
+        run(str(write(cuts, opts.out_dir / CUT_FILE)), [configs[0].reference()], opts.db, engine, hooks=hooks,
+            runner=None, wait_s=wait_s)
+    stage["summaries"] = time.perf_counter() - t0
+    return summaries
+

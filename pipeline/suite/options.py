@@ -35,6 +35,7 @@ HEADLINE_RATIOS = (0.75, 0.9)
 LONG_FROM = 4096  # the headline, ablation and summaries use documents of this many tokens and more
 SUITE_FILE, QUESTIONS_FILE = "suite.parquet", "questions.parquet"
 METHODS_FILE, ABLATION_FILE, SUMMARY_FILE = "methods.parquet", "methods_ablation.parquet", "summaries.parquet"
+CUT_FILE = "summaries_middle_cut.parquet"
 MARKDOWN_NAME, PLOT_NAME, PREFILLS_DIR = "suite_report.md", "frontier.png", "prefills"
 
 
@@ -60,6 +61,7 @@ class SuiteOptions:
     summaries: int = 0  # plain documents per long length whose compressed summaries are compared
     summary_tokens: int = 128  # max_new_tokens of a summary
     long_from: int = LONG_FROM  # "long": the headline, the ablation and the summaries use these lengths
+    summaries_only: bool = False  # the summary stage alone: no task documents, calibration or methods
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -77,6 +79,8 @@ class SuiteOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "summaries" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'summaries' else 1}, got {v!r}")
+        if self.summaries_only and not self.summaries:
+            raise ValueError("summaries_only needs summaries >= 1 (documents per length)")
         if REFERENCE_PRESS in self.grid.press:
             raise ValueError("press: no_press is the calibration reference and always runs; leave it out")
         if self.grid.budget:
@@ -134,7 +138,7 @@ class SuiteOptions:
         if not self.summaries or not lengths:
             return []
         return summary_documents(count, lengths, self.summaries, self.seed,
-                                 Path(self.austen) if self.austen else None)
+                                 Path(self.austen) if self.austen else None, middle_cut=True)
 
 
 @dataclass

@@ -12,10 +12,11 @@ from matplotlib.figure import Figure  # no pyplot: no global backend state, rend
 
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
-from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SuiteOptions, SuiteResult
+from pipeline.metrics import COVERAGE, COVERAGE_METRICS, DELTA_NLL, ROUGE_L
+from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SUMMARY_FILE, SuiteOptions, SuiteResult
 import nestedkv
 from nestedkv.quant import KVQuant
-from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired
+from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired, rivals
 from pipeline.tasks import TASKS, length_label
 
 def _rank(press: str) -> int:
@@ -113,28 +114,82 @@ def ablation_table(scores: Sequence[dict], calib: Sequence[dict], variants: dict
 
 
 def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
-    """Per long length and configuration: the compressed summary's ROUGE-L against the uncompressed one and
-    the teacher-forced delta-NLL of the uncompressed summary (0 = unchanged; higher = worse)."""
+    """Per length and configuration: the share of planted events the summaries name (coverage: all, the
+    middle 30-70%, the ends), the compressed summary's ROUGE-L against the uncompressed one, the
+    teacher-forced delta-NLL of the uncompressed summary (0 = unchanged; higher = worse), compress / prefill
+    and resident KV; the uncompressed model's rows first, its middle cuts' beside them. Then NestedKV paired
+    with each other press per document, at the same ratio and budget mode."""
     configs = opts.configs(opts.summary_base())
-    rows = store.summary_agreement([c.config_hash() for c in configs], [sha256_hex(d["text"]) for d in docs])
+    if not configs:
+        return []
+    ref = configs[0].reference()
+    hashes = [ref.config_hash()] + [c.config_hash() for c in configs]
+    whole = [d for d in docs if d["task"] == "summary"]
+    rows = store.summary_agreement(hashes, [sha256_hex(d["text"]) for d in docs])
     if not rows:
         return []
-    length = {d["doc_id"]: d["length"] for d in docs}
+    doc = {d["doc_id"]: d for d in docs}
+    scores = [{**r, "task": doc[r["doc_id"]]["task"], "length": doc[r["doc_id"]]["length"], "question_idx": 0}
+              for r in rows if r["doc_id"] in doc]
     cells = defaultdict(list)
-    for r in rows:
-        cells[(length.get(r["doc_id"]), r["config_hash"], r["metric"])].append(r["value"])
+    for r in scores:
+        cells[(r["task"], r["length"], r["config_hash"], r["metric"])].append(r["value"])
     first = {r["config_hash"]: r for r in rows}
+    doc_length = {d["doc_id"]: d["length"] for d in whole}
+    whole_hashes = [sha256_hex(d["text"]) for d in whole]
+    mib = resident_mib(store, hashes, whole_hashes, doc_length)
+    cost = costs(store, hashes, whole_hashes, doc_length, hashes[0])
     table = []
-    for c in configs:
-        h = c.config_hash()
-        for n in sorted(set(length.values())):
-            if (n, h, "rouge_l") in cells:
-                table.append([label(first[h]), f"{c.compression_ratio:g}", length_label(n),
-                              len(cells[(n, h, "rouge_l")]), _fmt(_mean(cells[(n, h, "rouge_l")])),
-                              _fmt(_mean(cells.get((n, h, "delta_nll"), [])), 3)])
-    return ["## Summaries at length: agreement with the uncompressed summary", "",
-            f"Plain documents: {len(docs)}; max_new_tokens {opts.summary_tokens}.", ""] + \
-        _table(["configuration", "r", "length", "documents", "ROUGE-L", "delta NLL"], table) + [""]
+    for n in sorted({d["length"] for d in docs}):
+        ref_cost = cost.get((n, hashes[0]), {})
+        for task, c in [("summary", ref), ("summary_cut", ref)] + [("summary", c) for c in configs]:
+            h = c.config_hash()
+            got = {m: cells.get((task, n, h, m), []) for m in (*COVERAGE_METRICS, ROUGE_L, DELTA_NLL)}
+            if not any(got.values()):
+                continue
+            name = label(first[h]) + (" (middle cut)" if task == "summary_cut" else "")
+            here = cost.get((n, h), {}) if task == "summary" else {}
+            ratio = here.get("compress_s", math.nan) / ref_cost.get("prefill_s", math.nan) \
+                if here and c is not ref and ref_cost.get("prefill_s") else math.nan
+            table.append([name, "-" if c is ref else f"{c.compression_ratio:g}", length_label(n),
+                          max(len(v) for v in got.values()),
+                          *(_fmt(_mean(got[m])) for m in COVERAGE_METRICS), _fmt(_mean(got[ROUGE_L])),
+                          _fmt(_mean(got[DELTA_NLL]), 3), _fmt(ratio),
+                          _fmt(mib.get((n, h), math.nan), 1) if task == "summary" else "-"])
+    lines = ["## Summaries: what the planted events kept, and agreement with the uncompressed summary", "",
+             f"Documents: {len(whole)}, each with planted events (a person and a town met nowhere else, one in "
+             f"each sixth of the text); max_new_tokens {opts.summary_tokens}. Coverage: the share of events whose "
+             "person or town the summary names. A middle cut is the same document without its middle 30-70%, "
+             "summarized uncompressed: what a lost middle scores. Compress / prefill: compression's seconds over the "
+             "uncompressed prefill's. KV: resident MiB per document.", ""]
+    lines += _table(["configuration", "r", "length", "documents", "coverage", "middle", "ends", "ROUGE-L",
+                     "delta NLL", "compress / prefill", "KV MiB"], table) + [""]
+    return lines + summary_pairs(scores, {("summary", n) for n in doc_length.values()})
+
+
+def summary_pairs(scores: Sequence[dict], cells: set) -> list[str]:
+    """NestedKV against each other press per ratio and budget mode, per document: coverage (higher is
+    better) and delta NLL of the uncompressed summary (lower is better)."""
+    nkv = [s for s in scores if s["press"] == "nestedkv"]
+    modes = sorted({(s["compression_ratio"], s["head_budget"], s["prefill"]) for s in nkv})
+    out = []
+    for rival in rivals(scores):
+        for r, budget, prefill in modes:
+            a = {"press": "nestedkv", "compression_ratio": r, "head_budget": budget, "prefill": prefill}
+            b = {**a, "press": rival}
+            cov = paired([s for s in scores if s["metric"] == COVERAGE], a, b, cells)
+            nll = paired([s for s in scores if s["metric"] == DELTA_NLL], a, b, cells, lower_is_better=True)
+            if cov["n"] or nll["n"]:
+                out.append([rival, f"{r:g}", budget, prefill, max(cov["n"], nll["n"]),
+                            f"{cov['better']}/{cov['worse']}/{cov['same']}, {cov['mean_diff']:+.3f} +- "
+                            f"{_fmt(cov['se'], 3)}",
+                            f"{nll['better']}/{nll['worse']}/{nll['same']}, {nll['mean_diff']:+.3f} +- "
+                            f"{_fmt(nll['se'], 3)}"])
+    if not out:
+        return []
+    return ["NestedKV paired with each other press, per document (better/worse/same, mean of NestedKV - other "
+            "+- SE; delta NLL: lower is better):", ""] + \
+        _table(["against", "r", "head budget", "prefill", "documents", "coverage", "delta NLL"], out) + [""]
 
 
 def resident_mib(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict) -> dict:
@@ -219,7 +274,16 @@ def headline_table(heads: Sequence[dict], digits: int) -> list[str]:
 def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optional[dict] = None,
                  summary_docs: Sequence[dict] = ()) -> SuiteResult:
     """The markdown report and the frontier plot for ``docs`` (and ``summary_docs``) under ``opts``'s
-    configurations."""
+    configurations; the summaries alone under ``opts.summaries_only``."""
+    if opts.summaries_only:
+        lines = [f"# Summaries: {opts.model}", ""]
+        if stage_s:
+            lines += ["Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in stage_s.items()), ""]
+        lines += summary_table(store, opts, summary_docs)
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        md = opts.out_dir / MARKDOWN_NAME
+        md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return SuiteResult(opts.out_dir / SUMMARY_FILE, md, None, [], [], dict(stage_s or {}))
     hashes = [opts.base().reference().config_hash()] + [c.config_hash() for c in opts.configs()]
     doc_hashes = [sha256_hex(d["text"]) for d in docs]
     scores = store.suite_scores(hashes, doc_hashes, RECALL)

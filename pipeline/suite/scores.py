@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
-from pipeline.evaluate import contains_gold
+from pipeline.evaluate import contains_gold, coverage
+from pipeline.metrics import COVERAGE
 from pipeline.suite.options import HEADLINE_RATIOS, LONG_FROM, QUESTIONS_FILE
 from pipeline.tasks import TASKS
 
@@ -47,6 +48,22 @@ def score(store) -> int:
         store.write_evaluations([{"run_id": r["run_id"], "doc_id": r["doc_id"], "question_idx": r["question_idx"],
                                   "metric": RECALL, "value": recall(r["output"], r["parts"]),
                                   "reference_run_id": None} for r in rows])
+    return len(rows)
+
+
+def score_coverage(store, docs: Sequence[dict]) -> int:
+    """Write the coverage rows (``evaluate.coverage``: the planted events a summary names, overall, in the
+    middle, at the ends) of every ok summary of these documents that has none yet; returns how many."""
+    plants = {sha256_hex(d["text"]): d for d in docs if d.get("parts")}
+    rows = store.unscored_outputs(list(plants), COVERAGE)
+    out = []
+    for r in rows:
+        d = plants[r["content_sha256"]]
+        for metric, value in coverage(r["output"], d["parts"], d["depths"]).items():
+            out.append({"run_id": r["run_id"], "doc_id": r["doc_id"], "question_idx": r["question_idx"],
+                        "metric": metric, "value": value, "reference_run_id": None})
+    if out:
+        store.write_evaluations(out)
     return len(rows)
 
 

@@ -13,8 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.prompts import encode
-from pipeline.tasks.plans import LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words
-from pipeline.tasks.text import Sentence, haystack, vocabulary
+from pipeline.tasks.plans import (LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words,
+                                  plan_summary_events)
+from pipeline.tasks.text import SENTENCE_END, Sentence, haystack, vocabulary
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[S
         "doc_id": f"{task}-{label}-{index:03d}", "title": f"{task} ({label} tokens) #{index}", "text": text,
         "questions": plan.questions, "answers": [", ".join(p) for p in plan.parts], "task": task,
         "length": length, "n_tokens": count(text), "kinds": plan.kinds, "parts": plan.parts,
-        "evidence": plan.evidence,
+        "evidence": plan.evidence, "depths": None,
     }
 
 
@@ -125,21 +126,58 @@ def generate(count: TokenCounter, lengths: Sequence[int] = SIZES["standard"].len
             for i in range(per_task)]
 
 
+MIDDLE = (0.3, 0.7)  # the middle of a document, as the share of its text before a point
+
+
+def cut_middle(text: str, middle: tuple[float, float] = MIDDLE) -> str:
+    """``text`` without its sentences whose centre lies within ``middle`` (shares of its characters): what a
+    reader of the ends alone sees. Paragraphs left empty go too."""
+    total, at, paras = max(len(text), 1), 0, []
+    for para in text.split("\n\n"):
+        kept = []
+        for sent in SENTENCE_END.split(para):
+            if not middle[0] <= (at + len(sent) / 2) / total < middle[1]:
+                kept.append(sent)
+            at += len(sent) + 1
+        at += 1  # the paragraph break is two characters, a sentence break one
+        if kept:
+            paras.append(" ".join(kept))
+    return "\n\n".join(paras)
+
+
 def summary_documents(count: TokenCounter, lengths: Sequence[int], per_length: int = 1, seed: int = 0,
-                      austen: Optional[Path] = None) -> list[dict]:
-    """Plain Austen text (no needles, no questions) of each length, for comparing compressed summaries with
-    the uncompressed one; ``task`` is ``summary``."""
+                      austen: Optional[Path] = None, events: int = 6, middle_cut: bool = False) -> list[dict]:
+    """Austen text of each length with ``events`` planted events (``plans.plan_summary_events``: ``parts`` the
+    person of each, ``depths`` where it stands), for the coverage of summaries; no questions; ``task`` is
+    ``summary``. ``middle_cut``: each document again without its middle (``cut_middle``), ``task``
+    ``summary_cut``, so that a summary of the ends alone shows what the measure gives for a lost middle."""
     hay = haystack(austen)
     starts = [i for i, s in enumerate(hay) if s.open]
     rows = []
     for n in lengths:
         for i in range(per_length):
             rng = random.Random(f"{seed}:summary:{n}:{i}")
-            text = fit(hay, rng.choice(starts), [], int(n), count)
+            start = rng.choice(starts)
+            for _ in range(100):  # redraw until every name occurs once (the novels never supply one)
+                plan = plan_summary_events(rng, events) if events else None
+                text = fit(hay, start, plan.needles if plan else [], int(n), count)
+                if plan is None or all(len(re.findall(rf"\b{re.escape(v)}\b", text)) == 1 for v in plan.once):
+                    break
+            else:
+                raise RuntimeError(f"summary at {n} tokens: could not plant names that occur once")
             label = length_label(int(n))
-            rows.append({"doc_id": f"summary-{label}-{i:03d}", "title": f"summary ({label} tokens) #{i}", "text": text,
-                         "questions": None, "answers": None, "task": "summary", "length": int(n),
-                         "n_tokens": count(text), "kinds": [], "parts": [], "evidence": []})
+            row = {"doc_id": f"summary-{label}-{i:03d}", "title": f"summary ({label} tokens) #{i}", "text": text,
+                   "questions": None, "answers": None, "task": "summary", "length": int(n), "n_tokens": count(text),
+                   "kinds": plan.kinds if plan else [], "parts": plan.parts if plan else [],
+                   "evidence": plan.evidence if plan else [],
+                   # where each event stands in the text as written (it goes before the open sentence nearest
+                   # the depth drawn), as a share of the characters before it
+                   "depths": [text.index(s) / len(text) for _, s in plan.needles] if plan else []}
+            rows.append(row)
+            if middle_cut:
+                cut = cut_middle(text)
+                rows.append({**row, "doc_id": row["doc_id"] + "-cut", "title": row["title"] + ", middle cut",
+                             "text": cut, "task": "summary_cut", "n_tokens": count(cut)})
     return rows
 
 
@@ -148,6 +186,7 @@ SCHEMA = pa.schema([
     ("answers", pa.list_(pa.string())), ("task", pa.string()), ("length", pa.int32()), ("n_tokens", pa.int32()),
     ("kinds", pa.list_(pa.string())), ("parts", pa.list_(pa.list_(pa.string()))),
     ("evidence", pa.list_(pa.list_(pa.string()))),
+    ("depths", pa.list_(pa.float64())),  # summary documents: where each of ``parts`` was planted
 ])
 
 

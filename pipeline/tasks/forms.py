@@ -74,3 +74,23 @@ def draw_value(kind: str, rng: random.Random, taken: set[str]) -> str:
         if not any(set(v.split()) & set(t.split()) for t in taken):
             taken.add(v)
             return v
+
+# Events planted in summary documents: each an occurrence a reader would retell, naming someone met nowhere else
+# in the text (``plans.plan_summary_events``). The coverage of a summary is the share whose person it names.
+EVENTS = [
+    "That night a fire broke out in the stables of {town}, and a stranger named {name} carried the horses out "
+    "through the smoke.",
+    "A sea captain called {name} arrived at the door with a letter from {town} that changed everything.",
+    "News came that {name} of {town} had won the great lottery and meant to buy the whole estate.",
+    "At dawn {name} was found asleep in the garden, having walked all night from {town} through the storm.",
+    "On the bridge at {town} the carriage of {name} overturned, and its passenger was carried into the house with "
+    "a broken arm.",
+    "In the middle of the service {name} stood up in the church at {town} and declared that the wedding must not "
+    "go on.",
+    "A box of jewels was stolen from the hall, and {name}, a pedlar from {town}, was taken before the magistrate.",
+    "{name}, a painter from {town}, was engaged to paint the whole family, and quarrelled with every one of them.",
+    "The river at {town} flooded the lower road, and {name} rowed a boat from house to house to bring the "
+    "children out.",
+    "A physician named {name} rode over from {town} and announced that the old gentleman had not long to live.",
+]
+

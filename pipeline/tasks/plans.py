@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from pipeline.tasks.forms import (CONTAINERS, COUNTY_HEAD, CWE_QUESTIONS, FIRST, ITEMS, LAST, MULTI_QUESTIONS,
                                   MULTI_STATEMENTS, NOUNS, QUERY_QUESTIONS, QUESTIONS, ROOM_ADJ,
-                                  ROOMS, STATEMENTS, TOWN_HEAD, TOWN_TAIL, TWO_HOP, VT_FORMS, VT_QUESTIONS,
+                                  ROOMS, STATEMENTS, EVENTS, TOWN_HEAD, TOWN_TAIL, TWO_HOP, VT_FORMS, VT_QUESTIONS,
                                   draw_key, draw_value)
 
 TokenCounter = Callable[[str], int]
@@ -188,6 +188,21 @@ def plan_niah_middle(rng: random.Random) -> Plan:
     depths = sorted(rng.uniform(0.3, 0.7) for _ in plan.needles)
     plan.needles = [(d, s) for d, (_, s) in zip(depths, plan.needles)]
     return plan
+
+
+def plan_summary_events(rng: random.Random, n: int = 6) -> Plan:
+    """``n`` events, one in each of ``n`` equal bands of depth between 5% and 95% (so a document's middle and
+    its ends hold some), each naming a person and a town that occur nowhere else. No questions: ``parts`` are
+    each event's names (first name, last name, town; any found counts), for the coverage of a summary
+    (``evaluate.coverage``)."""
+    templates = rng.sample(EVENTS, n)
+    firsts, lasts = rng.sample(FIRST, n), rng.sample(LAST, n)
+    towns = rng.sample([h + t for h in TOWN_HEAD for t in TOWN_TAIL], n)
+    band = 0.9 / n
+    depths = [0.05 + band * (i + rng.uniform(0.15, 0.85)) for i in range(n)]
+    sentences = [t.format(name=f"{f} {l}", town=w) for t, f, l, w in zip(templates, firsts, lasts, towns)]
+    return Plan(list(zip(depths, sentences)), [], [[f, l, w] for f, l, w in zip(firsts, lasts, towns)],
+                ["event"] * n, [[s] for s in sentences], firsts + lasts + towns)
 
 
 LONG_TASKS = ("niah_middle",)  # not in the suite's default set: built for documents past the window
