@@ -3,7 +3,7 @@
     nkv bench peer [--input data/eval_set.parquet] [--docs 2] [--new-tokens 24] [--compression-ratio 0.75]
         [--peer-python .venv-peer/bin/python] [--peer-threads 1] [--out FILE]
 
-kvpress runs in its own environment (README, "Side by side with kvpress"), as a subprocess started on
+kvpress runs in its own environment (docs/benchmarks.md, "Side by side with kvpress"), as a subprocess started on
 ``bench/peer_worker.py`` that exchanges JSON files, so this process never imports torch. Steps:
 
 1. export our fp32 weights as a transformers directory (``bench.peer_export``; reused when present);
@@ -287,7 +287,7 @@ def _columns(rows: list) -> list[str]:
 
 # -- the command ------------------------------------------------------------------------------------
 def setup_hint(python: str) -> str:
-    return (f"no kvpress environment at {python}; create it (README, 'Side by side with kvpress'): "
+    return (f"no kvpress environment at {python}; create it (docs/benchmarks.md, 'Side by side with kvpress'): "
             "python -m venv .venv-peer && .venv-peer/bin/pip install torch==2.13.0 --index-url "
             "https://download.pytorch.org/whl/cpu && .venv-peer/bin/pip install kvpress==0.5.5")
 

@@ -13,7 +13,7 @@
    model's loss. The last ``CONTINUATION`` tokens of each text are scored teacher-forced from the rest's cache,
    quantized (r = 0) at 8 and 4 bits, keys rotated or not (``kv_hadamard``); the figure is the mean increase
    in negative log-likelihood per token over the unquantized cache.
-Accuracy and resident bytes come from ``nkv eval`` with ``--kv-bits`` (see the README).
+Accuracy and resident bytes come from ``nkv eval`` with ``--kv-bits`` (docs/quantized-kv.md).
 """
 
 from __future__ import annotations

@@ -35,6 +35,26 @@ def _cli_type(field: FieldInfo) -> Any:
     return ann
 
 
+def choices(name: str, field: FieldInfo) -> tuple[str, ...]:
+    """The values a setting takes, for its help: the press registry's names, or a Literal's values (an
+    Optional one's too); none for free values."""
+    if name == "press":
+        import nestedkv
+
+        return tuple(nestedkv.PRESSES)
+    ann = field.annotation
+    for a in (ann, *typing.get_args(ann)):
+        if typing.get_origin(a) is typing.Literal:
+            return tuple(str(v) for v in typing.get_args(a))
+    return ()
+
+
+def _help(name: str, field: FieldInfo, suffix: str = "") -> str:
+    text, ways = field.description or "", choices(name, field)
+    named = all(w in text for w in ways)  # a description that tells each choice already
+    return text + suffix + ("" if named else f"; one of: {', '.join(ways)}")
+
+
 def _option(name: str, annotation: Any, default: Any, help: str) -> inspect.Parameter:
     opt = typer.Option(default, *_flags(name), help=help)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=annotation)
@@ -61,7 +81,7 @@ def _add(fn: Callable, into: str, params: list[inspect.Parameter]) -> Callable:
 def generation_options(*, exclude: tuple[str, ...] = (), **defaults) -> Callable:
     """Options for every ``BatchOptions`` field (generation settings and retries), into ``generation``."""
     fields = {**GenerationSettings.model_fields, **BatchOptions.model_fields}
-    params = [_option(n, _cli_type(f), defaults.get(n, f.default), f.description or "")
+    params = [_option(n, _cli_type(f), defaults.get(n, f.default), _help(n, f))
               for n, f in fields.items() if n not in exclude]
     return lambda fn: _add(fn, "generation", params)
 
@@ -75,7 +95,7 @@ def press_options(**defaults) -> Callable:
             continue
         default = defaults.get(n, f.default)
         params.append(_option(n, Optional[str], None if default is None else str(default),
-                              (f.description or "") + " (comma-separated: every combination runs)"))
+                              _help(n, f, " (comma-separated: every combination runs)")))
     params.append(inspect.Parameter(
         "press_param", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
         default=typer.Option(None, "--press-param", "--press_param",

@@ -65,8 +65,8 @@ class _Settings(BaseModel):
 class PressSettings(_Settings):
     """Which context rows survive: the method, its budget, how heads share it, when it evicts."""
 
-    press: str = Field("nestedkv", description="the method, a press of nestedkv's registry (README.md's "
-                       "table; an unknown name lists them); no_press: the uncompressed reference")
+    press: str = Field("nestedkv", description="the method, a press of nestedkv's registry; no_press: the "
+                       "uncompressed reference")
     compression_ratio: float = Field(COMPRESSION_RATIO, ge=0.0, lt=1.0,
                                      description="fraction of context KV entries removed")
     budget: Optional[int] = Field(None, ge=1, le=INT32_MAX,

@@ -4,6 +4,7 @@ the module the table names, with the table's help."""
 import importlib
 import subprocess
 import sys
+import typing
 
 import duckdb
 import pytest
@@ -69,3 +70,16 @@ def test_a_command_defined_outside_its_tables_module_is_refused():
 def test_an_unknown_command_says_so():
     result = CliRunner().invoke(app, ["nosuch"])
     assert result.exit_code == 2 and "No such command 'nosuch'" in result.output
+
+
+@pytest.mark.parametrize("name", ["run", "eval", "sweep"])
+def test_help_lists_every_press_and_every_way_of_reading_a_long_document(name):
+    import nestedkv
+    from pipeline.config import LongDocs
+
+    root = get_command(app)
+    params = {p.name: p for p in root.get_command(typer.Context(root), name).params}
+    for press in nestedkv.PRESSES:
+        assert press in params["press"].help
+    for way in typing.get_args(LongDocs):
+        assert way in params["long_docs"].help

@@ -134,3 +134,21 @@ def test_every_registered_press_is_exported_by_name():
     for cls in PRESSES.values():
         assert getattr(nestedkv, cls.__name__) is cls is getattr(press_module, cls.__name__)
         assert cls.__name__ in press_module.__all__
+
+
+def test_the_code_points_at_docs_and_sections_that_exist():
+    """Comments and messages that send a reader to a page (``docs/x.md``, or ``docs/x.md, "Section"``) name a
+    page that exists and, when they name one, a section of it; none points at a README section (they moved)."""
+    cited = re.compile(r"""(docs/[\w.-]+\.md)(?:, ["']([^"']+)["'])?""")
+    found = 0
+    for folder in ("flows", "bench", "pipeline", "nestedkv"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text(encoding="utf-8")
+            assert not re.search(r"\(README[,:]|\(see the README", text), path
+            for page, section in cited.findall(text):
+                found += 1
+                assert (ROOT / page).is_file(), (path, page)
+                if section:
+                    headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(encoding="utf-8"), re.M)
+                    assert section in headings, (path, page, section)
+    assert found

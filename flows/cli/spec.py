@@ -133,7 +133,7 @@ def print_quality(summary, db: str) -> None:
 
 
 def exit_unless_done(summary) -> None:
-    """Exit 1 with one line unless every valid document is done, now or before (README: exit codes)."""
+    """Exit 1 with one line unless every valid document is done, now or before (docs/reliability.md: exit codes)."""
     if not summary.all_done:
         say(("error:", "red"), " ", summary.problem())
         raise typer.Exit(1)

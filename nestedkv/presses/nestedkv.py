@@ -92,7 +92,7 @@ class NestedKVPress(BasePress):
     run_defaults: ClassVar[dict] = {"head_budget": "adaptive"}
 
     # On by default: unrotated scoring did better on the bundled evaluation set and the long-context suite
-    # (README, "Unrotated scoring"); unrotate=False is the paper's post-RoPE scoring.
+    # (docs/library.md, "Unrotated scoring"); unrotate=False is the paper's post-RoPE scoring.
     unrotate: bool = True
     window: int = scoring.WINDOW
     block: Optional[int] = None
