@@ -152,3 +152,15 @@ def test_the_code_points_at_docs_and_sections_that_exist():
                     headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(encoding="utf-8"), re.M)
                     assert section in headings, (path, page, section)
     assert found
+
+
+def test_flows_page_names_every_flat_parameter_of_the_batch_flows():
+    import inspect
+
+    from flows.batch import qa_batch, summarize_batch
+
+    text = (ROOT / "docs/flows.md").read_text(encoding="utf-8")
+    listed = re.search(r"Flat parameters \(([^)]*)\)", text).group(1)
+    for flow in (summarize_batch, qa_batch):
+        flat = [p for p in inspect.signature(flow.fn).parameters if p not in ("options", "hooks")]
+        assert re.findall(r"`(\w+)`", listed) == flat
