@@ -1,4 +1,6 @@
 """``nkv bench long``: documents longer than the model's window, read each way ``--long-docs`` offers.
+``--task summarize``: the suite's summary documents instead (planted events at every depth), scored by the
+events the summary names overall, in the middle 30-70% and at the ends.
 
 Needles are planted in the middle 30-70% of stretches of the novels (the suite's ``niah_middle`` task) at each
 length; a document that fits the window is answered uncompressed (the ceiling); a longer one is cut in the middle
@@ -24,12 +26,13 @@ from nestedkv.press import get_press
 from pipeline import models  # models.load_model looked up at each call: tests stand a tiny model in for it
 from pipeline.config import RunConfig
 from pipeline.documents import Document
-from pipeline.evaluate import gold_nll
+from pipeline.evaluate import coverage, gold_nll
+from pipeline.metrics import COVERAGE, COVERAGE_ENDS, COVERAGE_METRICS, COVERAGE_MIDDLE
 from pipeline.model_shape import model_info
 from pipeline.prompts import encode
 from pipeline.runner import Runner, prefill
 from pipeline.suite.scores import recall
-from pipeline.tasks.build import generate, token_counter
+from pipeline.tasks.build import generate, summary_documents, token_counter
 from pipeline.tasks.text import haystack
 
 Log = Callable[[str], None]
@@ -45,25 +48,39 @@ def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
 
 
 def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
-        "keydiff", "streaming_llm"), max_new_tokens: int = 32, seed: int = 0, austen: Optional[str] = None,
-        window: Optional[int] = None, log: Log = print) -> dict:
+        "keydiff", "streaming_llm"), max_new_tokens: Optional[int] = None, seed: int = 0,
+        austen: Optional[str] = None, window: Optional[int] = None, task: str = "qa", log: Log = print) -> dict:
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one).
-    ``max_new_tokens``: the suite's 32, since a small model restates the question before the needle's value."""
+    ``task``: qa (needles in the middle, recall) or summarize (the suite's summary documents with planted
+    events, coverage overall, in the middle and at the ends: ``evaluate.coverage``). ``max_new_tokens``: qa the
+    suite's 32, since a small model restates the question before the needle's value; summarize 128."""
+    if task not in ("qa", "summarize"):
+        raise ValueError(f"task must be qa or summarize, got {task!r}")
+    max_new_tokens = max_new_tokens or (32 if task == "qa" else 128)
     model, tokenizer = models.load_model(model_ref)
     window = window or model_info(model).get("max_position_embeddings")
-    docs = generate(token_counter(tokenizer), lengths, per_length, seed, tasks=["niah_middle"],
-                    austen=Path(austen) if austen else None)
+    count = token_counter(tokenizer)
+    docs = generate(count, lengths, per_length, seed, tasks=["niah_middle"], austen=Path(austen) if austen else None) \
+        if task == "qa" else summary_documents(count, lengths, per_length, seed, Path(austen) if austen else None)
     rows = []
     for d in docs:
         doc = Document(doc_id=d["doc_id"], text=d["text"], questions=d["questions"], answers=d["answers"])
         for label, fields in ways(presses, fits=window is None or d["n_tokens"] + 64 + max_new_tokens <= window):
-            cfg = RunConfig(task="qa", model=model_ref, max_new_tokens=max_new_tokens, **fields)
+            cfg = RunConfig(task=task, model=model_ref, max_new_tokens=max_new_tokens, **fields)
             runner = Runner(model, tokenizer, cfg, max_context=window)
-            nll, seen = gold_nlls(runner, d["answers"])
+            nll, seen = gold_nlls(runner, d["answers"] or [])
             t0 = time.perf_counter()
             res = runner.run(doc)
             wall = time.perf_counter() - t0
+            if task == "summarize":
+                got = coverage(res.questions[0].output, d["parts"], d["depths"]) \
+                    if res.questions and res.questions[0].status == "ok" else {}
+                rows.append({**summary_row(d, label, res, wall), **{k: [v] for k, v in got.items()},
+                             "recall": []})
+                log(f"{d['doc_id']} ({d['n_tokens']} tokens) {label}: {res.status}, coverage "
+                    f"{got.get(COVERAGE, float('nan')):.2f}, {wall:.0f} s")
+                continue
             scores = [recall(q.output, parts) for q, parts in zip(res.questions, d["parts"]) if q.status == "ok"]
             rows.append({**summary_row(d, label, res, wall), "recall": scores,
                          "gold_nll": [min(v) for v in nll.values()]})
@@ -74,11 +91,13 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
                 f"{sum(scores) / len(scores) if scores else float('nan'):.2f}, {wall:.0f} s")
     table = summarize(rows)
     for r in table:
-        log(f"{r['length']:>7} {r['way']:<22} recall {r['recall']:.3f} ({r['questions']} questions)  gold NLL "
-            f"{r['gold_nll']:.3f}  {r['wall_s']:.0f} s/doc  prefill {r['prefill_tok_s'] or 0:.0f} tok/s  "
-            f"peak KV {r['peak_kv_mib']:.1f} MiB" +
+        quality = (f"coverage {r[COVERAGE]:.3f} middle {r[COVERAGE_MIDDLE]:.3f} ends {r[COVERAGE_ENDS]:.3f} "
+                   f"({r['documents']} documents)") if task == "summarize" else \
+            f"recall {r['recall']:.3f} ({r['questions']} questions)  gold NLL {r['gold_nll']:.3f}"
+        log(f"{r['length']:>7} {r['way']:<22} {quality}  {r['wall_s']:.0f} s/doc  prefill "
+            f"{r['prefill_tok_s'] or 0:.0f} tok/s  peak KV {r['peak_kv_mib']:.1f} MiB" +
             (f"  (by the answer's likelihood: recall {r['recall_by_answer']:.3f})" if "recall_by_answer" in r else ""))
-    return {"model": model_ref, "window": window, "rows": rows, "table": table}
+    return {"model": model_ref, "window": window, "task": task, "rows": rows, "table": table}
 
 
 def summary_row(d: dict, label: str, res, wall: float) -> dict:
@@ -121,7 +140,9 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
         rates = [r["prefill_tok_s"] for r in rs if r["prefill_tok_s"]]
         nll = [v for r in rs for v in r.get("gold_nll", ())]
         by_answer = [s for r in rs for s in r.get("recall_by_answer", ())]
-        table.append({"length": length, "way": way, "questions": len(scores),
+        cover = {m: [v for r in rs for v in r.get(m, ()) if v == v] for m in COVERAGE_METRICS}  # NaN: none there
+        table.append({"length": length, "way": way, "questions": len(scores), "documents": len(rs),
+                      **{m: sum(v) / len(v) if v else float("nan") for m, v in cover.items()},
                       "recall": sum(scores) / len(scores) if scores else float("nan"),
                       **({"recall_by_answer": sum(by_answer) / len(by_answer)} if by_answer else {}),
                       "gold_nll": sum(nll) / len(nll) if nll else float("nan"),

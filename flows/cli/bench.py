@@ -249,7 +249,9 @@ def bench_long(
                                                "these lengths keeping --budget rows per head"),
     presses: str = typer.Option("nestedkv,keydiff,streaming_llm", "--presses", help="the presses that stream"),
     budget: int = typer.Option(512, "--budget", help="--rate-lengths: tokens kept per head"),
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default: the benchmark's)"),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 32 for qa, 128 for summarize)"),
+    task: str = typer.Option("qa", "--task", help="qa (needles in the middle: recall) or summarize (planted "
+                             "events: coverage by depth)"),
     out: Optional[str] = OutOpt,
 ):
     """Documents past the window, read each way --long-docs offers."""
@@ -257,7 +259,7 @@ def bench_long(
     with user_errors():
         if per_length:
             res["table"] = long.run(model, split_list(lengths, int, "--lengths"), per_length,
-                                    split_list(presses, str, "--presses"), log=_log, seed=seed,
+                                    split_list(presses, str, "--presses"), log=_log, seed=seed, task=task,
                                     **_given(max_new_tokens=max_new_tokens, window=window))
         if rate_lengths:
             res["rates"] = long.rates(model, split_list(rate_lengths, int, "--rate-lengths"), budget, log=_log)
