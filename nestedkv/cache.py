@@ -195,17 +195,18 @@ def _check_cache(cache) -> None:
         raise TypeError("cache must be the list returned by nestedkv.make_cache(model, press)")
 
 
-def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
+def compress(cache, model=None, tokens=None, prompt=(), scores=None, questions=()) -> None:
     """Compress every full-attention layer once, after the last chunk of the context (the layers mlx-lm keeps
     as is stay so); evaluates the result. A press that scores with the model (``needs_model``) needs ``model``
     and the context's ``tokens``; ``prompt``: its instruction (KVzip's "repeat the context"), a
-    ``nestedkv.Instruction`` or a token list.
+    ``nestedkv.Instruction`` or a token list; ``questions``: the token lists a question-aware press
+    (``needs_questions``) lets pick the rows.
     ``scores``: what ``model_scores`` gave for this context under a press of the same ``scoring_key`` (a
     sweep scores once for all its budgets)."""
     _check_cache(cache)
     full = full_layers(cache)
     if scores is None and press_of(cache).needs_model and not full[0].compressed:
-        scores = model_scores(cache, model, tokens, prompt)
+        scores = model_scores(cache, model, tokens, prompt, questions)
     layers = leaves(cache)
     scores = scores or [None] * len(layers)
     keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(layers)
@@ -218,7 +219,7 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None) -> None:
     mx.eval(arrays(cache))
 
 
-def model_scores(cache, model, tokens, prompt=()) -> list:
+def model_scores(cache, model, tokens, prompt=(), questions=()) -> list:
     """One ``[B, H, N]`` score per layer of an uncompressed ``cache`` holding ``tokens``, from its press's
     pass with the model (``needs_model`` presses); nothing of the cache changes."""
     _check_cache(cache)
@@ -233,7 +234,13 @@ def model_scores(cache, model, tokens, prompt=()) -> list:
     if len(tokens) != full[0].stored:
         raise ValueError(f"press {press.name!r}: {len(tokens)} tokens given for a cache of {full[0].stored} "
                          "context positions")
-    return press.model_scores(model, cache, list(tokens), Instruction.of(prompt))
+    if not press.needs_questions:
+        return press.model_scores(model, cache, list(tokens), Instruction.of(prompt))
+    asked = [list(q) for q in questions if len(q)]
+    if not asked:
+        raise ValueError(f"press {press.name!r} lets the document's questions pick the rows: give them "
+                         "(nestedkv.compress(..., questions=[ids, ...])); none were given")
+    return press.model_scores(model, cache, list(tokens), Instruction.of(prompt), questions=asked)
 
 
 def press_of(cache) -> BasePress:

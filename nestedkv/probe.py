@@ -87,26 +87,26 @@ def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press
 SCORE_BYTES = 64 * 2**20  # fp32 scores held at once while scoring (per block of fed rows), on every device
 
 
-def peak_context_weights(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
+def peak_context_weights(queries: mx.array, keys: mx.array, scale: float, n: int, total: bool = False) -> mx.array:
     """The most softmax weight each of the first ``n`` (context) keys gets from any fed row, ``[B, H, n]``, fp32,
-    query heads grouped by KV head; each fed row sees the context and the fed rows up to itself (causal,
-    aligned to the end of ``keys``). By blocks of fed rows, each reduced before the next is scored, so the scores
-    held at once stay within ``SCORE_BYTES`` whatever the context's length and the device. On the CPU fast path
-    each block's softmax runs in NumPy over the cores, as the layers' own attention (mlx's CPU softmax runs on one
-    thread)."""
+    query heads grouped by KV head (``total``: the sum of its weights over the fed rows and the group's query
+    heads instead); each fed row sees the context and the fed rows up to itself (causal, aligned to the end of
+    ``keys``). By blocks of fed rows, each reduced before the next is scored, so the scores held at once stay
+    within ``SCORE_BYTES`` whatever the context's length and the device. On the CPU fast path each block's
+    softmax runs in NumPy over the cores, as the layers' own attention (mlx's CPU softmax runs on one thread)."""
     B, Hq, L, D = queries.shape
     S = keys.shape[2]
     rows = max(1, min(L, SCORE_BYTES // (4 * B * Hq * S)))
     peak = None
     for a in range(0, L, rows):
         b = min(L, a + rows)
-        block = _block_peak(queries[:, :, a:b], keys[:, :, : S - L + b], scale, n)
-        peak = block if peak is None else mx.maximum(peak, block)
+        block = _block_peak(queries[:, :, a:b], keys[:, :, : S - L + b], scale, n, total)
+        peak = block if peak is None else (peak + block if total else mx.maximum(peak, block))
         mx.eval(peak)  # the block's scores are freed before the next block is scored
     return peak
 
 
-def _block_peak(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
+def _block_peak(queries: mx.array, keys: mx.array, scale: float, n: int, total: bool = False) -> mx.array:
     """``peak_context_weights`` for the last ``L`` fed rows over ``keys`` (aligned to their end), in one go."""
     B, Hq, L, D = queries.shape
     H, S = keys.shape[1], keys.shape[2]
@@ -114,12 +114,13 @@ def _block_peak(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.a
     q, k = queries.astype(mx.float32), keys.astype(mx.float32)
     plan = row_plan(B, Hq, L, S, _cpu.streams_for(L // MIN_ROWS)) if _cpu.fast() else []
     if plan:
-        _, _, peaks = numpy_softmax(q, k, scale, True, plan, reduce=lambda w: w[..., :n].max(axis=(2, 3)))
-        return mx.array(np.maximum.reduce(peaks))
+        reduce = (lambda w: w[..., :n].sum(axis=(2, 3))) if total else (lambda w: w[..., :n].max(axis=(2, 3)))
+        _, _, peaks = numpy_softmax(q, k, scale, True, plan, reduce=reduce)
+        return mx.array((np.add if total else np.maximum).reduce(peaks))
     # log2 e folded into the queries: exp as a power of 2, about three times cheaper than exp on the CPU
     s = (q * (scale * LOG2E)).reshape(B, H, g * L, D) @ k.swapaxes(-1, -2)
     row = mx.tile(mx.arange(L), g)[:, None]  # the fed position of each grouped query row
     s = mx.where(mx.arange(S)[None] - (S - L) <= row, s, -mx.inf)
     p = mx.power(2.0, s - mx.max(s, axis=-1, keepdims=True))
     p = p / mx.sum(p, axis=-1, keepdims=True)
-    return mx.max(p[..., :n], axis=2)
+    return mx.sum(p[..., :n], axis=2) if total else mx.max(p[..., :n], axis=2)

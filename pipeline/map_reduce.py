@@ -74,7 +74,7 @@ def answers_by_part(runner, prepared, res: DocumentResult, press, on_prefill=Non
         seen = on_prefill and (lambda n, _, at=done: on_prefill(at + n, total))
         done += len(part.context_ids)
         cache = runner.prefill(part, got, press=press, on_prefill=seen)
-        runner.compress(cache, got, part.context_ids)
+        runner.compress(cache, got, part)
         fits = [question_nll(runner, cache, ids) if qa else (0.0, 0.0) for _, ids, _ in part.questions]
         runner.answer_all(cache, part, got)
         _add_costs(res, got)

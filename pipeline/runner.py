@@ -206,13 +206,17 @@ class Runner:
         res.peak_prefill_bytes = mx.get_peak_memory()
         return cache
 
-    def compress(self, cache, res: DocumentResult, tokens: Optional[list[int]] = None,
+    def compress(self, cache, res: DocumentResult, prepared: Optional[PreparedDocument] = None,
                  scored: Optional[dict] = None) -> None:
         """Compress a prefilled cache once; time it and account for its memory (peaks include the prefill's).
-        ``tokens``: the context, for presses that score with the model (their passes count as compression).
-        ``scored``: one document's model scores by ``scoring_key``, shared by its configurations; each still
-        records the scoring pass's seconds and peak, what it costs a run alone."""
+        ``prepared``: the document, whose context presses that score with the model read (their passes count
+        as compression), and whose questions (each one's suffix: the instruction of a summary) a
+        question-aware press reads. ``scored``: one document's model scores by ``scoring_key``, shared by its
+        configurations; each still records the scoring pass's seconds and peak, what it costs a run alone."""
         t0 = time.perf_counter()
+        tokens = prepared.context_ids if prepared is not None else None
+        questions = [ids for (_, ids, _), q in zip(prepared.questions, res.questions) if q.status != TOO_LONG] \
+            if prepared is not None else []
         press = nestedkv.press_of(cache)
         scores, shared_s, shared_peak = None, 0.0, 0
         if press.needs_model and scored is not None and tokens is not None:
@@ -220,9 +224,10 @@ class Runner:
             if key in scored:
                 scores, shared_s, shared_peak = scored[key]
             else:
-                scores = nestedkv.model_scores(cache, self.model, tokens, self.repeat_prompt())
+                scores = nestedkv.model_scores(cache, self.model, tokens, self.repeat_prompt(), questions)
                 scored[key] = (scores, time.perf_counter() - t0, mx.get_peak_memory())
-        nestedkv.compress(cache, model=self.model, tokens=tokens, prompt=self.repeat_prompt(), scores=scores)
+        nestedkv.compress(cache, model=self.model, tokens=tokens, prompt=self.repeat_prompt(), scores=scores,
+                          questions=questions)
         res.compress_s = time.perf_counter() - t0 + shared_s
         res.peak_prefill_bytes = max(res.peak_prefill_bytes, mx.get_peak_memory(), shared_peak)
         peaks = nestedkv.peak_kv_bytes(cache)
@@ -250,7 +255,7 @@ class Runner:
 
     def finish(self, cache, prepared: PreparedDocument, res: DocumentResult) -> DocumentResult:
         """Compress the prefilled cache once, then answer every question from it."""
-        self.compress(cache, res, prepared.context_ids)
+        self.compress(cache, res, prepared)
         return self.answer_all(cache, prepared, res)
 
     def run(self, doc: Document, on_prefill: Optional[Progress] = None) -> DocumentResult:

@@ -15,6 +15,7 @@ from nestedkv.presses.kvzip import KVzipPress
 
 MODEL_PRESSES = [name for name, p in PRESSES.items() if p.needs_model]
 N = 200
+QUESTIONS = [[11, 12, 13, 14, 15], [16, 17, 18]]  # what a question-aware press reads; the others ignore them
 
 
 def _prefilled(model, toks, press=None):
@@ -30,7 +31,7 @@ def test_keeps_the_budget_with_real_savings(tiny_model, tokens, name, head_budge
     model, toks = tiny_model("llama"), tokens(N)
     press = get_press(name, compression_ratio=0.75, head_budget=head_budget)
     cache = _prefilled(model, toks, press)
-    compress(cache, model=model, tokens=toks.tolist(), prompt=[1, 2, 3])
+    compress(cache, model=model, tokens=toks.tolist(), prompt=[1, 2, 3], questions=QUESTIONS)
     keep = press.n_keep(N)
     across_layers = name == "kvzip" and head_budget == "adaptive"  # one threshold over every layer and head
     kept = [np.array(c.kept) for c in cache]
@@ -57,7 +58,7 @@ def test_quantized_kv_and_a_cloned_context(tiny_model, tokens, name):
     plain = nestedkv.clone(full, press, model=model)
     quant = nestedkv.clone(full, get_press(name, compression_ratio=0.5, kv_bits=8, kv_group_size=32), model=model)
     for c in (plain, quant):
-        compress(c, model=model, tokens=toks.tolist())
+        compress(c, model=model, tokens=toks.tolist(), questions=QUESTIONS)
     assert all(c.quantized for c in quant) and not any(c.quantized for c in plain)
     for a, b in zip(plain, quant):  # scored on the real keys before quantizing: the same rows
         assert np.array_equal(np.array(a.kept), np.array(b.kept))
@@ -69,7 +70,8 @@ def test_scores_are_not_a_key_only_press(tiny_model, tokens, name):
     model, toks = tiny_model("llama"), tokens(N)
     full = _prefilled(model, toks)
     press = get_press(name, compression_ratio=0.75)
-    scores = press.model_scores(model, full, toks.tolist(), [5, 6])
+    scores = nestedkv.clone(full, press, model=model)
+    scores = nestedkv.model_scores(scores, model, toks.tolist(), [5, 6], QUESTIONS)
     for c, s in zip(full, scores):
         assert s.shape == (1, c.keys.shape[1], N) and np.isfinite(np.array(s)).all()
         for other in ("knorm", "keydiff"):
@@ -107,12 +109,16 @@ def test_refusals_are_one_line(tiny_model, tokens, name):
     with pytest.raises(ValueError, match="scores keys with the model"):
         compress(cache)
     with pytest.raises(ValueError, match="tokens given for a cache"):
-        compress(cache, model=model, tokens=toks.tolist()[:-1])
+        compress(cache, model=model, tokens=toks.tolist()[:-1], questions=QUESTIONS)
+    if get_press(name).needs_questions:
+        with pytest.raises(ValueError, match="lets the document's questions pick the rows"):
+            compress(cache, model=model, tokens=toks.tolist(), questions=[[]])
 
 
 def test_compression_seconds_include_the_reconstruction(tiny_model, tokens):
     from pipeline.results import DocumentResult
     from pipeline.runner import Runner  # noqa: F401  (the pipeline's compression path)
+    from pipeline.window import PreparedDocument
 
     model, toks = tiny_model("llama"), tokens(N)
 
@@ -132,7 +138,7 @@ def test_compression_seconds_include_the_reconstruction(tiny_model, tokens):
     cache = _prefilled(model, toks, get_press("kvzip", compression_ratio=0.5))
     KVzipPress.model_scores = spy
     try:
-        Runner.compress(runner, cache, res, toks.tolist())
+        Runner.compress(runner, cache, res, PreparedDocument(toks.tolist(), []))
     finally:
         KVzipPress.model_scores = real
     assert seen.get("called") and res.compress_s > 0 and all(c.compressed for c in cache)
@@ -227,10 +233,10 @@ def test_a_sweep_scores_a_document_once_for_all_its_budgets(monkeypatch, name):
     real = cls.model_scores
     clock = [0.0]  # the runner's clock moves only while a press scores: 100 s a pass
 
-    def scoring(self, *a):
+    def scoring(self, *a, **k):
         calls.append(1)
         clock[0] += 100.0
-        return real(self, *a)
+        return real(self, *a, **k)
 
     monkeypatch.setattr(cls, "model_scores", scoring)
     monkeypatch.setattr("pipeline.runner.time", SimpleNamespace(perf_counter=lambda: clock[0]))  # its clock only
@@ -304,3 +310,43 @@ def test_the_nestedkv_prior_is_the_mean_of_both_ranks(tiny_model, tokens):
         np.testing.assert_allclose(np.array(b), np.array((_ranks(z) + _ranks(n)) / 2), atol=1e-6)
     assert np.array(_ranks(mx.array([[[0.3, -1.0, 2.0]]])))[0, 0].tolist() == [0.5, 0.0, 1.0]
     assert KVzipNestedPress(compression_ratio=0.5, head_budget="adaptive").layer_keeps(both) == [None] * len(both)
+
+
+@pytest.mark.parametrize("task", ["qa", "summarize"])
+def test_snapkv_reads_the_documents_questions_through_the_runner(monkeypatch, task):
+    """``nkv run --press snapkv``: the runner hands the press every question's suffix (a summary's
+    instruction), so the rows kept follow what is asked."""
+    from pipeline.config import RunConfig
+    from pipeline.documents import Document
+    from pipeline.runner import Runner
+    from nestedkv.presses.snapkv import SnapKVPress
+    from tiny import ByteTokenizer, make_tiny_model, sample_docs
+
+    seen = []
+    real = SnapKVPress.model_scores
+
+    def spy(self, model, cache, tokens, prompt, questions=()):
+        seen.append(questions)
+        return real(self, model, cache, tokens, prompt, questions=questions)
+
+    monkeypatch.setattr(SnapKVPress, "model_scores", spy)
+    runner = Runner(make_tiny_model(), ByteTokenizer(),
+                    RunConfig(task=task, model="tiny", press="snapkv", max_new_tokens=3, compression_ratio=0.5))
+    doc = sample_docs(1, 300)[0]
+    asked = ["Who came to the house?", "Where is the key?"]
+    res = runner.run(Document(**{**doc, "questions": asked if task == "qa" else None}))
+    assert res.status == "ok" and res.layers[0].kept_mean < res.n_tokens
+    _, prepared = runner.start(Document(**{**doc, "questions": asked if task == "qa" else None}))
+    assert seen == [[ids for _, ids, _ in prepared.questions]] and len(seen[0]) == (2 if task == "qa" else 1)
+
+
+def test_snapkv_keeps_what_its_questions_attend_to(tiny_model, tokens):
+    """Two windows that repeat different stretches of the context keep different rows."""
+    model, toks = tiny_model("llama"), tokens(N)
+    full = _prefilled(model, toks)
+    press = get_press("snapkv", compression_ratio=0.75)
+    chosen = []
+    for q in ([toks.tolist()[40:60]], [toks.tolist()[150:170]]):
+        scores = nestedkv.model_scores(nestedkv.clone(full, press, model=model), model, toks.tolist(), (), q)
+        chosen.append([set(np.array(press.select_model_scores(s).indices)[0, 0].tolist()) for s in scores])
+    assert chosen[0] != chosen[1]

@@ -314,6 +314,36 @@ def test_expected_attention_scores_match_kvpress(tmp_path, use_covariance):
                                rtol=2.5e-3)
 
 
+@peer
+def test_snapkv_scores_match_kvpress(tmp_path):
+    """Score for score against kvpress's SnapKV. kvpress reads the question as the last ``window_size`` tokens
+    of its one prefill; ours prefills the context and reads the questions after it, every one as that window:
+    the same attention, the same pooling, the same mean over each KV head's query group."""
+    import nestedkv
+    from nestedkv import make_cache
+    from nestedkv.presses.snapkv import SnapKVPress
+    from pipeline.models import load_model
+
+    src = quantized_dir(tmp_path / "q4")
+    out = export_fp32(str(src), tmp_path / "export")
+    rng = np.random.default_rng(2)
+    ctx = [int(t) for t in rng.integers(1, 256, 150)]
+    questions = [[int(t) for t in rng.integers(1, 256, 9)], [int(t) for t in rng.integers(1, 256, 7)]]
+    window = [t for q in questions for t in q]
+    bench_peer.call_peer(str(PEER_PYTHON), {"op": "scorer_scores", "model_dir": str(out), "threads": 1,
+                                            "press": "SnapKVPress", "kwargs": {"window_size": len(window)},
+                                            "context_ids": ctx + window, "scores_out": str(tmp_path / "s.npy")},
+                         tmp_path)
+    theirs = np.load(tmp_path / "s.npy")[..., : len(ctx)]
+
+    model, _ = load_model(str(src), dtype="float32")
+    cache = make_cache(model, SnapKVPress(compression_ratio=0.5))
+    model(mx.array(ctx)[None], cache=cache)
+    ours = np.stack([np.array(s[0]) for s in nestedkv.model_scores(cache, model, ctx, (), questions)])
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=1e-6)
+
+
 def test_nkv_bench_peer_refuses_without_the_environment(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

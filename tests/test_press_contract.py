@@ -88,7 +88,8 @@ def _run(model, press, toks, chunk):
             k = c.keys[..., : c.stored, :]
             want = press.score(c.unrope(k, 0) if press.unrotate else k)
             np.testing.assert_allclose(np.array(c.stream.scores(k, None, c.unrope)), np.array(want), atol=1e-5)
-    compress(cache, model=model, tokens=toks.tolist())  # model and tokens: for presses that score with the model
+    # model and tokens: for presses that score with the model; questions: for those that read them
+    compress(cache, model=model, tokens=toks.tolist(), questions=[[21, 22, 23]])
     return cache
 
 

@@ -461,8 +461,13 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path):
         run = s.start_run(RunConfig(), "x")  # the migrated store takes new rows
         s.write_document(run, doc())
         s.finish_run(run, "completed")
+        s.start_run(RunConfig(task="qa", press="snapkv"), "x")
+        # no press read the questions before question-aware presses; a run of one says so
+        got = s.query("SELECT run_id = 'old-run' AS old, press, saw_questions FROM runs ORDER BY ALL").to_pylist()
+        assert [(r["old"], r["press"] if not r["old"] else None, r["saw_questions"]) for r in got] == [
+            (False, "nestedkv", False), (False, "snapkv", True), (True, None, False)]
     with Store(path) as s:  # a second open finds version 2 and changes nothing
-        assert s.query("SELECT count(*) FROM runs").column(0)[0].as_py() == 2
+        assert s.query("SELECT count(*) FROM runs").column(0)[0].as_py() == 3
 
 
 def test_parent_folder_that_cannot_be_created(tmp_path, monkeypatch):

@@ -50,6 +50,9 @@ class BasePress:
     # Scores need the model, not only the keys: ``model_scores`` runs after the prefill, inside compression
     # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream.
     needs_model: ClassVar[bool] = False
+    # Scores read the document's questions (``model_scores(..., questions=)``): the rows kept are those these
+    # questions need, so later questions may find less. Runs record it (``saw_questions``).
+    needs_questions: ClassVar[bool] = False
     # A run's settings for this press where they differ from the fields' defaults, which keep the library's
     # contract (a press built bare compresses nothing, as kvpress's; a uniform budget works with every model,
     # adaptive needs the attention routed). A subclass adds its own to its bases' (``defaults``); the ratio is

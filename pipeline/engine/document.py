@@ -90,7 +90,7 @@ class Work:
             for name in self.options.metrics:
                 self.extra[cfg] = _merge(self.extra.get(cfg), METRIC_HOOKS[name](runner, self.prepared, full,
                                                                                  nestedkv.press_of(cache)))
-        runner.compress(cache, res, self.prepared.context_ids, self.scored)
+        runner.compress(cache, res, self.prepared, self.scored)
         if self.batch and not cfg.is_reference:
             self.together[cfg] = cache
             return

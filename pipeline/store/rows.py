@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Union
 
 import pyarrow as pa
 
+import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.config import RunConfig, code_version
 from pipeline.results import OK, DocumentResult
@@ -52,6 +53,7 @@ def runs_table(run_id: str, config: RunConfig, input: str) -> pa.Table:
         "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
         "code_version": code_version(), "input": str(input), "status": "running",
         "prefill": getattr(config, "prefill", None), **KVQuant.from_fields(config).as_fields(),
+        "saw_questions": nestedkv.PRESSES[config.press].needs_questions,
         "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
     }])
 

@@ -17,8 +17,9 @@ from pipeline.store.views import VIEWS
 SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "completed", "failed", "interrupted")
 
-# Columns added since that need a value in old rows: every layer stored before hybrid models was full attention.
-COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'"}
+# Columns added since that need a value in old rows: every layer stored before hybrid models was full attention;
+# no press read the questions before question-aware presses.
+COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'", ("runs", "saw_questions"): "false"}
 # Columns added since whose old rows take another column's value: rows stored before the prefill cache kept
 # its seconds counted a prefill as computed.
 COPIED = {("outputs", "prefill_compute_s"): "prefill_s"}
@@ -48,6 +49,7 @@ TABLES: dict[str, list[tuple[str, tuple[str, pa.DataType]]]] = {
         ("prefill", _S), ("host", _S), ("pid", _I), ("pid_started_at", _F),  # pid_started_at: epoch seconds
         ("kv_bits", _I),  # NULL: the model's dtype
         ("kv_group_size", _I), ("kv_hadamard", _BOOL),  # nestedkv.quant.KVQuant's other settings
+        ("saw_questions", _BOOL),  # its compression read the document's questions (a question-aware press)
     ],
     "documents": [("doc_id", _S), ("content_sha256", _S), ("n_chars", _B), ("n_tokens", _I), ("title", _S)],
     "outputs": [

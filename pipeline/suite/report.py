@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
 
 from pipeline.documents import sha256_hex
@@ -16,7 +18,7 @@ from pipeline.metrics import COVERAGE, COVERAGE_METRICS, DELTA_NLL, ROUGE_L
 from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SUMMARY_FILE, SuiteOptions, SuiteResult
 import nestedkv
 from nestedkv.quant import KVQuant
-from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired, rivals
+from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired, press_label, rivals
 from pipeline.tasks import TASKS, length_label
 
 def _rank(press: str) -> int:
@@ -26,9 +28,12 @@ def _rank(press: str) -> int:
 
 
 def colour(press: str) -> str:
-    """A press's colour in the plots, by its place in the registry (matplotlib's cycle; C9 for others)."""
+    """A press's colour in the plots, by its place in the registry (matplotlib's cycle, then the light shades
+    of tab20 past its ninth; C9 for others)."""
     rank = _rank(press)
-    return f"C{rank % 9}" if rank >= 0 else "C9"
+    if rank < 0:
+        return "C9"
+    return f"C{rank}" if rank < 9 else to_hex(colormaps["tab20"](2 * (rank - 9) % 20 + 1))
 
 
 def _fmt(x: float, digits: int = 2) -> str:
@@ -180,7 +185,7 @@ def summary_pairs(scores: Sequence[dict], cells: set) -> list[str]:
             cov = paired([s for s in scores if s["metric"] == COVERAGE], a, b, cells)
             nll = paired([s for s in scores if s["metric"] == DELTA_NLL], a, b, cells, lower_is_better=True)
             if cov["n"] or nll["n"]:
-                out.append([rival, f"{r:g}", budget, prefill, max(cov["n"], nll["n"]),
+                out.append([press_label(rival), f"{r:g}", budget, prefill, max(cov["n"], nll["n"]),
                             f"{cov['better']}/{cov['worse']}/{cov['same']}, {cov['mean_diff']:+.3f} +- "
                             f"{_fmt(cov['se'], 3)}",
                             f"{nll['better']}/{nll['worse']}/{nll['same']}, {nll['mean_diff']:+.3f} +- "
@@ -265,7 +270,7 @@ def plot_frontier(scores: Sequence[dict], calib: Sequence[dict], mib: dict, path
 def headline_table(heads: Sequence[dict], digits: int) -> list[str]:
     return _table(["against", "r", "head budget", "prefill", "questions", "NestedKV", "other", "better", "worse",
                    "same", "mean diff +- SE"],
-                  [[h["rival"], f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
+                  [[press_label(h["rival"]), f"{h['ratio']:g}{' *' if h.get('best') else ''}", h["head_budget"],
                     h["prefill"] + h["quant"].label(), h["n"],
                     _fmt(h["acc_a"], digits), _fmt(h["acc_b"], digits), h["better"], h["worse"], h["same"],
                     f"{h['mean_diff']:+.3f} +- {_fmt(h['se'], 3)}"] for h in heads])
@@ -324,6 +329,9 @@ def write_report(store, opts: SuiteOptions, docs: Sequence[dict], stage_s: Optio
                      "question; diff = NestedKV - the other press; * = NestedKV's best budget mode at that ratio "
                      "against that press (chosen on these same questions). Every press against the uncompressed "
                      "model, with what compression costs: the per-length tables below.")
+        if any(nestedkv.PRESSES[h["rival"]].needs_questions for h in heads if h["rival"] in nestedkv.PRESSES):
+            lines.append("A press marked (saw the questions) read each document's questions before it compressed; "
+                         "NestedKV and the others did not, and keep rows for any later question: not equal terms.")
         lines.append("")
         lines += headline_table(heads, 2)
         nll_heads, _ = headline(nll, calib, long_from=opts.long_from, lower_is_better=True)

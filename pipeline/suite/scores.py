@@ -71,7 +71,14 @@ def label(row: dict) -> str:
     if row["press"] == "no_press":
         return "no_press"
     mode = " streaming" if row["prefill"] == "streaming" else ""
-    return f"{row['press']} {row['head_budget']}{mode}{bits_label(row)}"
+    return f"{press_label(row['press'])} {row['head_budget']}{mode}{bits_label(row)}"
+
+
+def press_label(press: str) -> str:
+    """A press's name, marked when its compression read the questions: its rows stay apart from the
+    query-agnostic presses', which guess what any later question needs."""
+    cls = nestedkv.PRESSES.get(press)
+    return f"{press} (saw the questions)" if cls is not None and cls.needs_questions else press
 
 
 def bits_label(row: dict) -> str:
