@@ -30,12 +30,15 @@ from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_
 METRICS = (CORRECT, AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, GOLD_KEPT)
 
 
+ABLATION_NEW_TOKENS = 24  # the evaluation set's answers are short
+
+
 def ablate(
     input: str,
     ratios: list[float],
     variants: Optional[list[str]] = None,
     model: str = "smollm2-135m",
-    max_new_tokens: int = 24,
+    max_new_tokens: int = ABLATION_NEW_TOKENS,
     prefill_step_size: int = 512,
     limit: Optional[int] = None,
     db: Optional[str] = None,

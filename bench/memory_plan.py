@@ -21,6 +21,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline import memory_plan
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import load_documents
@@ -75,7 +76,7 @@ def measure(model_ref: str, tokens: int, ratio: float, chunk: int, limit: Option
     return out
 
 
-def run_benchmark(model: str = "smollm2-135m", tokens: int = 5500, ratio: float = 0.75, chunk: int = 512,
+def run_benchmark(model: str = "smollm2-135m", tokens: int = 5500, ratio: float = COMPRESSION_RATIO, chunk: int = 512,
                   limit: Optional[str] = None, out: Optional[str] = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="nkv-memory-plan-") as tmp:
         figures = measure(model, tokens, ratio, chunk, parse_size(limit) if limit else None, Path(tmp))

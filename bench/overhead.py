@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline.config import RunConfig
 from pipeline.engine import run
 
@@ -26,7 +27,7 @@ def timed(fn):
 
 
 def run_overhead(input: str = "data/sample_batch.parquet", task: str = "qa", model: Optional[str] = None,
-                 press: str = "nestedkv", compression_ratio: float = 0.75, max_new_tokens: int = 32,
+                 press: str = "nestedkv", compression_ratio: float = COMPRESSION_RATIO, max_new_tokens: int = 32,
                  out: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     """One batch through ``engine.run`` into a temporary store, its wall time split into model compute and the
     rest; the figures through ``log`` (and to ``out`` as JSON). ``model`` None: the configuration's default."""

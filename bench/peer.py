@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.peer_export import export_fp32
 from bench.rss import peak_rss
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline.config import DEFAULT_MODEL, EVAL_INPUT, REFERENCE_PRESS, RunConfig
 from pipeline.documents import load_documents
 from pipeline.engine import compute, make_runner
@@ -352,7 +353,7 @@ class PeerOptions:
     input: str = EVAL_INPUT
     docs: int = 2
     model: str = DEFAULT_MODEL
-    compression_ratio: float = 0.75
+    compression_ratio: float = COMPRESSION_RATIO
     max_new_tokens: int = 24
     peer_python: str = field(default_factory=lambda: os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON))
     peer_threads: int = 1  # torch threads on the kvpress side

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 import nestedkv
 from nestedkv.press import PRESSES, get_press
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline import models
 from pipeline.prompts import build_prompt, encode, repeat_instruction
 from pipeline.runner import prefill
@@ -52,7 +53,7 @@ def best_of(repeats: int, fn: Callable[[], None]) -> float:
 
 
 def run_press_cost(model: Optional[str] = None, context: int = 4096, presses: Sequence[str] = DEFAULT_PRESSES,
-                   compression_ratio: float = 0.75, chunk: int = 512, repeats: int = 1,
+                   compression_ratio: float = COMPRESSION_RATIO, chunk: int = 512, repeats: int = 1,
                    out: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     """The figures through ``log`` (and to ``out`` as JSON). Bad arguments raise ValueError before any work."""
     unknown = [p for p in presses if p not in PRESSES or p == "no_press"]

@@ -16,6 +16,7 @@ from flows import bench_overhead
 from flows.cli.app import COMMANDS, group
 from flows.cli.common import ModelOpt, fail, out_console, say, split_list, user_errors
 from pipeline import models
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline.config import DEFAULT_INPUT, INT32_MAX
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help=COMMANDS["bench"].help)
@@ -23,7 +24,7 @@ cli = group()
 cli.add_typer(bench_app, name="bench")
 
 OutOpt = typer.Option(None, "--out", help="also write the figures here (JSON)")
-CompressionOpt = typer.Option(0.75, "--compression-ratio", help="fraction of the context removed")
+CompressionOpt = typer.Option(COMPRESSION_RATIO, "--compression-ratio", help="fraction of the context removed")
 NewTokensOpt = typer.Option(32, "--new-tokens", help="tokens decoded per measurement")
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from bench import ablation as ablation_mod
+from bench.ablation import ABLATION_NEW_TOKENS
 from flows.cli.app import command, group
 from flows.cli.checks import check_kv_group_size
 from flows.cli.common import ModelOpt, fail, invalid, out_console, say, spec_option, split_list, user_errors
@@ -19,7 +20,7 @@ from pipeline import suite as suite_mod
 from pipeline import tasks as tasks_mod
 from pipeline.config import EVAL_INPUT, BatchOptions
 from pipeline.spec import PressGrid
-from pipeline.suite.options import SUITE_RATIOS, default_options
+from pipeline.suite.options import HEADLINE_RATIOS, SUITE_RATIOS, default_options
 from pipeline.tasks import TASKS
 
 cli = group()
@@ -114,10 +115,10 @@ def tasks(
 @command(cli, "ablation")
 def ablation(
     input: str = spec_option("input", EVAL_INPUT, "Parquet file, glob or folder (with questions)"),
-    compression_ratio: str = typer.Option("0.75,0.9", "--compression-ratio"),
+    compression_ratio: str = typer.Option(",".join(f"{r:g}" for r in HEADLINE_RATIOS), "--compression-ratio"),
     variants: Optional[str] = typer.Option(None, "--variants", help="comma-separated variants (default: all)"),
     model: str = ModelOpt,
-    max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(ABLATION_NEW_TOKENS, "--max-new-tokens"),
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N documents"),
     out: Optional[str] = typer.Option(None, "--out", help="also write the table as markdown here"),
 ):
