@@ -43,46 +43,32 @@ def utcnow() -> datetime:
 
 
 def runs_table(run_id: str, config: RunConfig, input: str) -> pa.Table:
-    """The row of a run starting now in this process (its host and pid tell later whether it still runs)."""
+    """The row of a run starting now in this process (its host and pid tell later whether it still runs).
+    A column named as a setting takes the setting's value; the others are derived here."""
     pid = os.getpid()
+    settings = {c: getattr(config, c) for c, _ in columns("runs") if c in type(config).model_fields}
     return arrow("runs", [{
-        "run_id": run_id, "created_at": utcnow(), "task": config.task, "model": config.model,
-        "press": config.press, "compression_ratio": config.compression_ratio, "budget": config.budget,
-        "head_budget": config.head_budget, "prefill_step_size": config.prefill_step_size,
-        "max_new_tokens": config.max_new_tokens, "config_json": config.canonical_json(),
+        **settings, "run_id": run_id, "created_at": utcnow(), "config_json": config.canonical_json(),
         "config_hash": config.config_hash(), "reference_config_hash": config.reference().config_hash(),
         "code_version": code_version(), "input": str(input), "status": "running",
-        "prefill": getattr(config, "prefill", None), **KVQuant.from_fields(config).as_fields(),
-        "saw_questions": nestedkv.PRESSES[config.press].needs_questions,
+        **KVQuant.from_fields(config).as_fields(), "saw_questions": nestedkv.PRESSES[config.press].needs_questions,
         "host": socket.gethostname(), "pid": pid, "pid_started_at": process_started_at(pid),
     }])
 
 
 def outputs_table(run_id: str, r: DocumentResult) -> pa.Table:
-    """One row per question; a document without questions (failed early) still gets one row for its status."""
-    doc = {
-        "run_id": run_id, "doc_id": r.doc_id, "content_sha256": r.content_sha256, "n_tokens": r.n_tokens,
-        "prefill_s": r.prefill_s, "prefill_compute_s": r.prefill_compute_s, "compress_s": r.compress_s,
-        "prefill_tok_s": r.prefill_tok_s,
-        "peak_prefill_bytes": r.peak_prefill_bytes, "peak_decode_bytes": r.peak_decode_bytes,
-        # getattr: filled once DocumentResult carries peak KV bytes; NULL before.
-        "peak_kv_prefill_bytes": getattr(r, "peak_kv_prefill_bytes", None),
-        "peak_kv_decode_bytes": getattr(r, "peak_kv_decode_bytes", None),
-        "read_mode": getattr(r, "read_mode", None),
-        "memory_plan": r.memory_plan, "planned_peak_bytes": r.planned_peak_bytes,
-    }
+    """One row per question; a document without questions (failed early) still gets one row for its status.
+    Every column is the question's attribute of its name, else the document's: a new column is its schema
+    entry and the result field that fills it."""
+    cols = [c for c, _ in columns("outputs") if c not in ("run_id", "status", "error")]
+    doc = {"run_id": run_id, **{c: getattr(r, c) for c in cols if hasattr(r, c)}}
     if not r.questions:
         return arrow("outputs", [{**doc, "status": r.status, "error": r.error}])
-    rows = []
-    for q in r.questions:
-        bad_doc = r.status != OK  # a failed document taints every question answered from it
-        rows.append({
-            **doc, "question_idx": q.question_idx, "question": q.question, "output": q.output, "gold": q.gold,
-            "status": r.status if bad_doc else q.status, "error": q.error or r.error,
-            "n_question_tokens": q.n_question_tokens, "n_generated": q.n_generated, "decode_s": q.decode_s,
-            "decode_tok_s": q.decode_tok_s,
-        })
-    return arrow("outputs", rows)
+    bad_doc = r.status != OK  # a failed document taints every question answered from it
+    return arrow("outputs", [
+        {**doc, **{c: getattr(q, c) for c in cols if hasattr(q, c)},
+         "status": r.status if bad_doc else q.status, "error": q.error or r.error}
+        for q in r.questions])
 
 
 def layer_memory_table(run_id: str, r: DocumentResult) -> pa.Table:
