@@ -93,9 +93,9 @@ class BasePress:
         check_ratio(self.compression_ratio)
         check_budget(self.budget)
         check_head_budget(self.head_budget)
-        if not _int_in(self.n_sink, 0, INT32_MAX):
+        if not int_in(self.n_sink, 0, INT32_MAX):
             raise ValueError(f"n_sink must be an int in 0..{INT32_MAX}, got {self.n_sink!r}")
-        if not (_number(self.safeguard) and 0.0 <= self.safeguard <= 1.0):
+        if not (is_number(self.safeguard) and 0.0 <= self.safeguard <= 1.0):
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}; got {self.prefill!r}")
@@ -225,12 +225,13 @@ class NoPress(BasePress):
         return None
 
 
-def _number(v) -> bool:
+def is_number(v) -> bool:
     """A finite int or float (NaN and infinities would reach the stored configuration and the scores)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _int_in(v, lo: int, hi: int) -> bool:
+def int_in(v, lo: int, hi: int) -> bool:
+    """An int (not a bool) in ``lo..hi``: a press's own integer field, as ``__post_init__`` checks it."""
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
@@ -243,4 +244,4 @@ def check_ints(press: BasePress, **least: int) -> None:
     """Each named field of ``press`` an int of at least its given value."""
     for field, lo in least.items():
         v = getattr(press, field)
-        check(_int_in(v, lo, INT32_MAX), field, f"an int >= {lo}", v, press.name)
+        check(int_in(v, lo, INT32_MAX), field, f"an int >= {lo}", v, press.name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from nestedkv import scoring
-from nestedkv.presses.base import SEED_MAX, BasePress, _int_in, check
+from nestedkv.presses.base import SEED_MAX, BasePress, check, int_in
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RandomPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        check(_int_in(self.seed, 0, SEED_MAX), "seed", f"an int in 0..{SEED_MAX}", self.seed, press=self.name)
+        check(int_in(self.seed, 0, SEED_MAX), "seed", f"an int in 0..{SEED_MAX}", self.seed, press=self.name)
 
     def score(self, keys):
         return scoring.random_scores(keys, self.seed)

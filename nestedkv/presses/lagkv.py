@@ -21,7 +21,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv import scoring
-from nestedkv.presses.base import INT32_MAX, BasePress, _int_in, check
+from nestedkv.presses.base import INT32_MAX, BasePress, check, int_in
 
 LAG = 128  # the paper's partition size for its main results
 WINDOW_SCORE = 2.0  # above any softmax share (<= 1): sinks and the unreferenced window are kept first
@@ -52,7 +52,7 @@ class LagKVPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        check(_int_in(self.lag, 1, INT32_MAX), "lag", f"an int in 1..{INT32_MAX}", self.lag, press=self.name)
+        check(int_in(self.lag, 1, INT32_MAX), "lag", f"an int in 1..{INT32_MAX}", self.lag, press=self.name)
 
     def score(self, keys):
         return lagkv_scores(keys, self.lag, self.n_sink)

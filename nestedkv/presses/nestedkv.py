@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from nestedkv import scoring
-from nestedkv.presses.base import INT32_MAX, BasePress, _int_in, _number, check
+from nestedkv.presses.base import INT32_MAX, BasePress, check, int_in, is_number
 from nestedkv.streaming import AnchorScorer
 
 EPS = scoring.EPS
@@ -106,14 +106,14 @@ class NestedKVPress(BasePress):
 
     def __post_init__(self):
         super().__post_init__()
-        check(_int_in(self.window, 1, INT32_MAX), "window", f"an int in 1..{INT32_MAX}", self.window, self.name)
-        check(self.block is None or _int_in(self.block, 1, INT32_MAX), "block", f"None or an int in 1..{INT32_MAX}",
+        check(int_in(self.window, 1, INT32_MAX), "window", f"an int in 1..{INT32_MAX}", self.window, self.name)
+        check(self.block is None or int_in(self.block, 1, INT32_MAX), "block", f"None or an int in 1..{INT32_MAX}",
               self.block, self.name)
-        check(isinstance(self.prior, tuple) and len(self.prior) == 3 and all(_number(p) and p > 0 for p in self.prior),
+        check(isinstance(self.prior, tuple) and len(self.prior) == 3 and all(is_number(p) and p > 0 for p in self.prior),
               "prior", "three positive numbers", self.prior, self.name)
         for name in ("beta", "tau", "kappa"):
-            check(_number(getattr(self, name)), name, "a finite number", getattr(self, name), self.name)
-        check(_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail, self.name)
+            check(is_number(getattr(self, name)), name, "a finite number", getattr(self, name), self.name)
+        check(is_number(self.tail) and 0 < self.tail <= 0.5, "tail", "a number in (0, 0.5]", self.tail, self.name)
         check(isinstance(self.use_gate, bool), "use_gate", "true or false", self.use_gate, self.name)
         check(isinstance(self.scales, tuple) and len(self.scales) == 3 and all(isinstance(x, bool) for x in self.scales)
               and any(self.scales), "scales", "three booleans, at least one true", self.scales, self.name)
