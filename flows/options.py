@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import typer
 from pydantic.fields import FieldInfo
 
+import nestedkv
 from pipeline.config import BatchOptions, GenerationSettings, PressSettings
 
 # kvpress users' spellings work beside ours.
@@ -39,8 +40,6 @@ def choices(name: str, field: FieldInfo) -> tuple[str, ...]:
     """The values a setting takes, for its help: the press registry's names, or a Literal's values (an
     Optional one's too); none for free values."""
     if name == "press":
-        import nestedkv
-
         return tuple(nestedkv.PRESSES)
     ann = field.annotation
     for a in (ann, *typing.get_args(ann)):

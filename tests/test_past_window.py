@@ -200,7 +200,7 @@ def test_the_question_nll_leaves_the_cache_as_it_was():
     part = prepared.parts[0]
     res, _ = r.start(doc())
     cache = r.prefill(part, res)
-    r.compress(cache, res, part.context_ids)
+    r.compress(cache, res, part)
     before = [(c.offset, c.stored) for c in cache]
     nll, seconds = map_reduce.question_nll(r, cache, part.questions[0][1])
     assert nll > 0 and seconds >= 0 and [(c.offset, c.stored) for c in cache] == before
