@@ -39,8 +39,9 @@ from rouge_score import rouge_scorer
 
 import nestedkv
 from nestedkv.cache import full_layers, layer_press
-from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE, COVERAGE_ENDS, COVERAGE_MIDDLE, DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS,  # noqa: F401
-                              GOLD_NLL, METRICS, REFERENCE_METRICS, ROUGE_L, TOP1)
+from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE, COVERAGE_ENDS, COVERAGE_MIDDLE,  # noqa: F401
+                              DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS, GOLD_NLL, METRICS, MIDDLE,
+                              REFERENCE_METRICS, ROUGE_L, TOP1)
 from pipeline.prompts import encode
 from pipeline.results import TOO_LONG
 
@@ -88,7 +89,7 @@ def rouge_l(answer: Optional[str], reference: Optional[str]) -> float:
 
 
 def coverage(summary: Optional[str], parts: Sequence[Sequence[str]], depths: Sequence[float],
-             middle: tuple[float, float] = (0.3, 0.7)) -> dict:
+             middle: tuple[float, float] = MIDDLE) -> dict:
     """The share of planted events a summary names (an event counts when any of its ``parts``, the names of its
     person and place, occurs as a whole word in any case, a possessive too), over all of them, those planted in
     ``middle`` and those outside it (NaN where a group has none)."""

@@ -10,4 +10,5 @@ REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # s
 # all events, those in the middle 30-70% and those outside it. Scored against the plant: reference_run_id NULL.
 COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS = "coverage", "coverage_middle", "coverage_ends"
 COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS)
+MIDDLE = (0.3, 0.7)  # a document's middle, as shares of its text before a point (coverage, middle cuts)
 HOOKED_METRICS = (GOLD_KEPT,)  # computed only when a run asks (--metrics): pipeline.evaluate.METRIC_HOOKS

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.metrics import MIDDLE
 from pipeline.prompts import encode
 from pipeline.tasks.plans import (LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words,
                                   plan_summary_events)
@@ -126,9 +127,6 @@ def generate(count: TokenCounter, lengths: Sequence[int] = SIZES["standard"].len
             for i in range(per_task)]
 
 
-MIDDLE = (0.3, 0.7)  # the middle of a document, as the share of its text before a point
-
-
 def cut_middle(text: str, middle: tuple[float, float] = MIDDLE) -> str:
     """``text`` without its sentences whose centre lies within ``middle`` (shares of its characters): what a
     reader of the ends alone sees. Paragraphs left empty go too."""
@@ -148,7 +146,7 @@ def cut_middle(text: str, middle: tuple[float, float] = MIDDLE) -> str:
 def summary_documents(count: TokenCounter, lengths: Sequence[int], per_length: int = 1, seed: int = 0,
                       austen: Optional[Path] = None, events: int = 6, middle_cut: bool = False) -> list[dict]:
     """Austen text of each length with ``events`` planted events (``plans.plan_summary_events``: ``parts`` the
-    person of each, ``depths`` where it stands), for the coverage of summaries; no questions; ``task`` is
+    names of each one's person and town, ``depths`` where it stands), for the coverage of summaries; no questions; ``task`` is
     ``summary``. ``middle_cut``: each document again without its middle (``cut_middle``), ``task``
     ``summary_cut``, so that a summary of the ends alone shows what the measure gives for a lost middle."""
     hay = haystack(austen)
