@@ -36,6 +36,8 @@ from pipeline.tasks.build import generate, summary_documents, token_counter
 from pipeline.tasks.text import haystack
 
 Log = Callable[[str], None]
+# A summary's length; qa: the suite's 32, since a small model restates the question before the needle's value.
+NEW_TOKENS = {"qa": 32, "summarize": 128}
 
 
 def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
@@ -53,11 +55,11 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one).
     ``task``: qa (needles in the middle, recall) or summarize (the suite's summary documents with planted
-    events, coverage overall, in the middle and at the ends: ``evaluate.coverage``). ``max_new_tokens``: qa the
-    suite's 32, since a small model restates the question before the needle's value; summarize 128."""
-    if task not in ("qa", "summarize"):
+    events, coverage overall, in the middle and at the ends: ``evaluate.coverage``). ``max_new_tokens``: by
+    default the task's ``NEW_TOKENS``."""
+    if task not in NEW_TOKENS:
         raise ValueError(f"task must be qa or summarize, got {task!r}")
-    max_new_tokens = max_new_tokens or (32 if task == "qa" else 128)
+    max_new_tokens = max_new_tokens or NEW_TOKENS[task]
     model, tokenizer = models.load_model(model_ref)
     window = window or model_info(model).get("max_position_embeddings")
     count = token_counter(tokenizer)

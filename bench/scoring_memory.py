@@ -20,6 +20,7 @@ import mlx.core as mx
 
 import nestedkv
 from nestedkv.cache import arrays, full_layers
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline import models
 from pipeline.prompts import encode, repeat_instruction
 from pipeline.runner import prefill
@@ -61,7 +62,7 @@ def measure(model_ref: str, lengths: Sequence[int], n_layers: int, ratio: float,
 
 
 def run_benchmark(model: str = "smollm2-135m", lengths: Sequence[int] = (4096, 16384, 32768), layers: int = 2,
-                  ratio: float = 0.75, chunk: int = 512, out: Optional[str] = None) -> list[dict]:
+                  ratio: float = COMPRESSION_RATIO, chunk: int = 512, out: Optional[str] = None) -> list[dict]:
     rows = measure(model, lengths, layers, ratio, chunk)
     if out:
         Path(out).write_text(json.dumps(rows, indent=2))

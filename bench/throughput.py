@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench.overhead import timed as _timed
+from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, make_runner, run
 from pipeline.store import Store
@@ -76,7 +77,7 @@ def measure_rerun(input: str, config: RunConfig, rerun_ratio: float, batch_size:
 
 
 def run_benchmark(input: str = "data/sample_batch.parquet", task: str = "summarize", model: str = DEFAULT_MODEL,
-                  batch_size: int = 5, max_new_tokens: int = 128, ratio: float = 0.75, rerun_ratio: float = 0.9,
+                  batch_size: int = 5, max_new_tokens: int = 128, ratio: float = COMPRESSION_RATIO, rerun_ratio: float = 0.9,
                   rerun: bool = True, out: Optional[str] = None) -> dict:
     """``measure`` in a temporary folder, printed (and written to ``out`` as JSON)."""
     with tempfile.TemporaryDirectory(prefix="nkv-throughput-") as tmp:

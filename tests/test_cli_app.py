@@ -83,3 +83,22 @@ def test_help_lists_every_press_and_every_way_of_reading_a_long_document(name):
         assert press in params["press"].help
     for way in typing.get_args(LongDocs):
         assert way in params["long_docs"].help
+
+
+def test_bench_options_show_their_benchmarks_own_defaults():
+    """A bench option left out keeps the benchmark function's default; its help shows that default, read from
+    the function, never a number copied beside it."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from bench import kernels, quant
+
+    source = (Path(__file__).resolve().parents[1] / "flows/cli/bench.py").read_text()
+    assert not re.search(r"\(default [0-9]", source)
+    bench = get_command(app).get_command(typer.Context(get_command(app)), "bench")
+    ctx = typer.Context(bench)
+    helps = {(c, p.name): p.help for c in ("kernels", "quant") for p in bench.get_command(ctx, c).params}
+    assert helps[("kernels", "chunk")].endswith(f"(default {inspect.signature(kernels.run).parameters['chunk'].default})")
+    assert helps[("kernels", "sizes")].endswith("(default " + ",".join(map(str, kernels.SIZES)) + ")")
+    assert helps[("quant", "docs")].endswith(f"(default {inspect.signature(quant.run).parameters['docs'].default})")

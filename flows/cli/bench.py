@@ -3,9 +3,10 @@ out (None) keeps the benchmark function's default."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -28,8 +29,14 @@ CompressionOpt = typer.Option(COMPRESSION_RATIO, "--compression-ratio", help="fr
 NewTokensOpt = typer.Option(32, "--new-tokens", help="tokens decoded per measurement")
 
 
-def _unset(flag: str, help: str):
-    """An option whose absence (None) leaves the benchmark's own default, which ``help`` names."""
+def _unset(flag: str, help: str = "", of: Optional[Callable] = None, name: Optional[str] = None):
+    """An option whose absence (None) leaves the benchmark's own default: the default of parameter ``name``
+    (the flag's, by default) of the benchmark function ``of``, shown in the help; without ``of``, ``help``
+    says what happens."""
+    if of is not None:
+        default = inspect.signature(of).parameters[name or flag.lstrip("-").replace("-", "_")].default
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else default
+        help = f"{help} (default {shown})".lstrip()
     return typer.Option(None, flag, help=help)
 
 
@@ -47,14 +54,13 @@ def bench_kernels(
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="context tokens"),
     new_tokens: int = NewTokensOpt,
-    chunk: Optional[int] = _unset("--chunk", "prefill chunk size (default 512)"),
+    chunk: Optional[int] = _unset("--chunk", "prefill chunk size", kernels.run),
     text: Optional[str] = _unset("--text", "a UTF-8 text file for the context (default: a "
                                        "built-in paragraph, repeated)"),
     random_tokens: bool = typer.Option(False, "--random-tokens", help="random token ids instead of tokenized text"),
-    sizes: Optional[str] = _unset("--sizes", "scoring sizes N, comma-separated "
-                                        "(default 2048,8192,32768)"),
-    repeats: Optional[int] = _unset("--repeats", "timed runs per scoring size, after two "
-                                          "warm-ups (default 3)"),
+    sizes: Optional[str] = _unset("--sizes", "scoring sizes N, comma-separated", kernels.run),
+    repeats: Optional[int] = _unset("--repeats", "timed runs per scoring size, after two warm-ups",
+                                   kernels.run),
     out: Optional[str] = OutOpt,
 ):
     """Scoring, compression and decode time, GEMM speed and bytes per layer."""
@@ -123,7 +129,7 @@ def bench_throughput(
     model: str = ModelOpt,
     input: str = typer.Option(DEFAULT_INPUT, "--input", help="the batch"),
     compression_ratio: float = CompressionOpt,
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 128)"),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", of=throughput.run_benchmark),
     batch_size: int = typer.Option(5, "--batch-size", help="documents decoded together"),
     rerun: bool = typer.Option(True, "--rerun/--no-rerun", help="also time a re-run with a new ratio, with and "
                                "without the prefill cache"),
@@ -151,11 +157,10 @@ def bench_rope(
 @bench_app.command("peer")
 def bench_peer(
     model: str = ModelOpt,
-    input: Optional[str] = _unset("--input", f"the batch (default {PeerOptions.input})"),
+    input: Optional[str] = _unset("--input", "the batch", PeerOptions),
     compression_ratio: float = CompressionOpt,
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 24)"),
-    docs: Optional[int] = _unset("--docs", "documents (with questions) from the start of the "
-                                       f"input (default {PeerOptions.docs})"),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", of=PeerOptions),
+    docs: Optional[int] = _unset("--docs", "documents (with questions) from the start of the input", PeerOptions),
     peer_python: Optional[str] = _unset("--peer-python", "the kvpress environment's python "
                                               f"(default: $NKV_PEER_PYTHON or {DEFAULT_PEER_PYTHON})"),
     peer_threads: int = typer.Option(PeerOptions.peer_threads, "--peer-threads", help="torch threads"),
@@ -181,16 +186,13 @@ def bench_peer(
 @bench_app.command("quant")
 def bench_quant(
     model: str = ModelOpt,
-    input: Optional[str] = _unset("--input", f"the batch (default {PeerOptions.input})"),
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 24)"),
-    docs: Optional[int] = _unset("--docs", "documents for the mlx-lm comparison "
-                                       "(default 6, 0: skip)"),
-    speed_docs: Optional[int] = _unset("--speed-docs", "documents for the speed figures "
-                                             "(default 1, 0: skip)"),
-    decode_tokens: Optional[int] = _unset("--decode-tokens", "greedy tokens decoded per speed "
-                                                "row (default 64)"),
-    error_docs: Optional[int] = _unset("--error-docs", "sample-batch documents for the loss "
-                                             "each quantizer adds (default 5, 0: skip)"),
+    input: Optional[str] = _unset("--input", "the batch", quant.run),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", of=quant.run),
+    docs: Optional[int] = _unset("--docs", "documents for the mlx-lm comparison (0: skip)", quant.run),
+    speed_docs: Optional[int] = _unset("--speed-docs", "documents for the speed figures (0: skip)", quant.run),
+    decode_tokens: Optional[int] = _unset("--decode-tokens", "greedy tokens decoded per speed row", quant.run),
+    error_docs: Optional[int] = _unset("--error-docs", "sample-batch documents for the loss each quantizer adds "
+                                       "(0: skip)", quant.run),
     out: Optional[str] = OutOpt,
 ):
     """Quantized KV against mlx-lm's, and decode speed."""
@@ -203,11 +205,11 @@ def bench_quant(
 @bench_app.command("overhead")
 def bench_overhead_cmd(
     model: str = ModelOpt,
-    input: Optional[str] = _unset("--input", f"the batch (default {DEFAULT_INPUT})"),
-    task: Optional[str] = _unset("--task", "qa (default) or summarize"),
-    press: Optional[str] = _unset("--press", "the press (default nestedkv)"),
+    input: Optional[str] = _unset("--input", "the batch", overhead.run_overhead),
+    task: Optional[str] = _unset("--task", "qa or summarize", overhead.run_overhead),
+    press: Optional[str] = _unset("--press", "the press", overhead.run_overhead),
     compression_ratio: float = CompressionOpt,
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 32)"),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", of=overhead.run_overhead),
     out: Optional[str] = OutOpt,
 ):
     """Share of a batch's wall time outside model compute."""
@@ -220,12 +222,11 @@ def bench_overhead_cmd(
 def bench_press_cost(
     model: str = ModelOpt,
     context: int = typer.Option(4096, "--context", help="context tokens"),
-    press: Optional[str] = _unset("--press", "presses, comma-separated (default nestedkv,keydiff,kvzip,"
-                                             "expected_attention)"),
+    press: Optional[str] = _unset("--press", "presses, comma-separated", press_cost.run_press_cost, "presses"),
     compression_ratio: float = CompressionOpt,
-    chunk: Optional[int] = _unset("--chunk", "prefill chunk size (default 512)"),
+    chunk: Optional[int] = _unset("--chunk", "prefill chunk size", press_cost.run_press_cost),
     repeats: Optional[int] = _unset("--repeats", "timed runs of the prefill and of each compression, the best "
-                                                 "taken (default 1)"),
+                                    "taken", press_cost.run_press_cost),
     out: Optional[str] = OutOpt,
 ):
     """Each press's compression seconds against the prefill it compresses."""
@@ -250,7 +251,8 @@ def bench_long(
                                                "these lengths keeping --budget rows per head"),
     presses: str = typer.Option("nestedkv,keydiff,streaming_llm", "--presses", help="the presses that stream"),
     budget: int = typer.Option(512, "--budget", help="--rate-lengths: tokens kept per head"),
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 32 for qa, 128 for summarize)"),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default "
+                                           + ", ".join(f"{n} for {t}" for t, n in long.NEW_TOKENS.items()) + ")"),
     task: str = typer.Option("qa", "--task", help="qa (needles in the middle: recall) or summarize (planted "
                              "events: coverage by depth)"),
     out: Optional[str] = OutOpt,
@@ -271,10 +273,9 @@ def bench_long(
 @bench_app.command("prefect")
 def bench_prefect(
     model: str = ModelOpt,
-    input: Optional[str] = _unset("--input", f"the batch (default {DEFAULT_INPUT})"),
-    max_new_tokens: Optional[int] = _unset("--max-new-tokens", "(default 16)"),
-    repeats: Optional[int] = _unset("--repeats", "timed runs of each kind, the fastest counts "
-                                          "(default 1)"),
+    input: Optional[str] = _unset("--input", "the batch", bench_overhead.run),
+    max_new_tokens: Optional[int] = _unset("--max-new-tokens", of=bench_overhead.run),
+    repeats: Optional[int] = _unset("--repeats", "timed runs of each kind, the fastest counts", bench_overhead.run),
     no_model_runs: bool = typer.Option(False, "--no-model-runs", help="only the no-op runner measurements"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
 ):
