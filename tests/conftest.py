@@ -88,3 +88,12 @@ def prefills(monkeypatch):
 
     monkeypatch.setattr(Runner, "prefill", counting)
     return calls
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """Prefect's own temporary server and database for a module's flow runs, not the user's profile."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -32,14 +32,6 @@ HUB = ("llama", "gemma3", "qwen3_5")
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     return write_batch(tmp_path_factory.mktemp("batch") / "one.parquet", sample_docs(1))
 

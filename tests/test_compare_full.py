@@ -13,14 +13,6 @@ from tiny import sample_docs, save_tiny_model_dir, write_batch
 pytestmark = pytest.mark.slow  # a Prefect flow run
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.fixture
 def files(tmp_path):
     yield save_tiny_model_dir(tmp_path / "m"), write_batch(tmp_path / "in.parquet", sample_docs(2, 400))

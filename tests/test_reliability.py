@@ -901,14 +901,6 @@ def follow_stderr() -> None:
         handler.stream = sys.__stderr__
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.fixture
 def started(monkeypatch):
     """Records each flow (or, for ``eval``, engine run) the CLI starts."""

@@ -69,14 +69,6 @@ def test_no_press_answers_equal_mlx_lm_generate(weights, kind, tmp_path):
     assert {c.keys.dtype for c in cache} == {model.layers[-1].input_layernorm.weight.dtype}  # the model's dtype
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def nkv(*args):
     return CliRunner().invoke(app, list(map(str, args)))
 
