@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from nestedkv.presses.base import BasePress, check_ints
 from nestedkv.probe import peak_context_weights, probe
@@ -22,14 +23,8 @@ from nestedkv.probe import peak_context_weights, probe
 def average_pool(scores: mx.array, kernel: int) -> mx.array:
     """Each position's mean over the ``kernel`` positions centred on it along the last axis, the positions
     past either end counting as zeros (torch's ``avg_pool1d`` with ``padding=kernel // 2``, as SnapKV pools)."""
-    if kernel <= 1:
-        return scores
-    pad = kernel // 2
-    padded = mx.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(pad, pad)])
-    run = mx.cumsum(padded, axis=-1)
-    run = mx.concatenate([mx.zeros_like(run[..., :1]), run], axis=-1)
-    n = scores.shape[-1]
-    return (run[..., kernel : kernel + n] - run[..., :n]) / kernel
+    pool = nn.AvgPool1d(kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pool(scores.reshape(-1, scores.shape[-1], 1)).reshape(scores.shape)  # mlx pools [N, L, C]
 
 
 @dataclass(frozen=True)
