@@ -64,7 +64,6 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
         tasks = [t for t in TASKS if any(s["task"] == t and s["length"] == length for s in scores)]
         full = _mean([s["value"] for s in scores if s["length"] == length and s["press"] == "no_press"
                       and (s["task"], s["length"]) in ok])
-        full_prefill = next((c["prefill_s"] for (n, _), c in cost.items() if n == length and c["reference"]), None)
         rows = []
         for (n, h), ss in by.items():
             if n != length:
@@ -74,14 +73,13 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
             cells = [_fmt(_mean([s["value"] for s in ss if s["task"] == t])) for t in tasks]
             calibrated = _mean([s["value"] for s in ss if (s["task"], s["length"]) in ok])
             c = cost.get((length, h), {})
-            overhead = c["compress_s"] / full_prefill if c and full_prefill else None
             rows.append(((not ref, s0["press"], s0["head_budget"], s0["prefill"],
                           KVQuant.from_fields(s0).sort_key(), s0["compression_ratio"]),  # 16 bits first
                          [label(s0), "-" if ref else f"{s0['compression_ratio']:g}", *cells, _fmt(calibrated),
                           "-" if ref else _fmt(calibrated / full if full else math.nan),
                           "-" if ref else _fmt(_mean(nll_by.get((length, h), [])), 3),
                           _fmt(mib.get((length, h)), 2), "-" if ref else _fmt(c.get("compress_s"), 2),
-                          "-" if ref else _fmt(overhead, 2)]))
+                          "-" if ref else _fmt(overhead(cost, length, h), 2)]))
         rows.sort(key=lambda r: (r[0][0], _rank(r[0][1]), *r[0][2:]))
         lines += [f"### {length_label(length)} ({length} tokens)", ""]
         lines += _table(["configuration", "r", *tasks, "calibrated cells", "of uncompressed", "delta gold NLL",
@@ -146,16 +144,13 @@ def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
     cost = costs(store, hashes, whole_hashes, doc_length, hashes[0])
     table = []
     for n in sorted({d["length"] for d in docs}):
-        ref_cost = cost.get((n, hashes[0]), {})
         for task, c in [("summary", ref), ("summary_cut", ref)] + [("summary", c) for c in configs]:
             h = c.config_hash()
             got = {m: cells.get((task, n, h, m), []) for m in (*COVERAGE_METRICS, ROUGE_L, DELTA_NLL)}
             if not any(got.values()):
                 continue
             name = label(first[h]) + (" (middle cut)" if task == "summary_cut" else "")
-            here = cost.get((n, h), {}) if task == "summary" else {}
-            ratio = here.get("compress_s", math.nan) / ref_cost.get("prefill_s", math.nan) \
-                if here and c is not ref and ref_cost.get("prefill_s") else math.nan
+            ratio = overhead(cost, n, h) if task == "summary" and c is not ref else None
             table.append([name, "-" if c is ref else f"{c.compression_ratio:g}", length_label(n),
                           max(len(v) for v in got.values()),
                           *(_fmt(_mean(got[m])) for m in COVERAGE_METRICS), _fmt(_mean(got[ROUGE_L])),
@@ -210,6 +205,14 @@ def costs(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict, r
         "prefill_s": math.nan if any(r["prefill_s"] is None for r in rows) else _mean([r["prefill_s"] for r in rows]),
         "compress_s": _mean([r["compress_s"] for r in rows]),
         "reference": rows[0]["config_hash"] == reference})
+
+
+def overhead(cost: dict, length: int, h: str) -> Optional[float]:
+    """Compression's seconds of configuration ``h`` over the uncompressed prefill's at ``length`` (``costs``),
+    or None where either is missing."""
+    c = cost.get((length, h))
+    full = next((x["prefill_s"] for (n, _), x in cost.items() if n == length and x["reference"]), None)
+    return c["compress_s"] / full if c and full else None
 
 
 def _per_length(rows: Sequence[dict], doc_length: dict, reduce) -> dict:
