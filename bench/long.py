@@ -71,7 +71,7 @@ def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Se
         for label, fields in ways(presses, fits=window is None or d["n_tokens"] + 64 + max_new_tokens <= window):
             cfg = RunConfig(task=task, model=model_ref, max_new_tokens=max_new_tokens, **fields)
             runner = Runner(model, tokenizer, cfg, max_context=window)
-            nll, seen = gold_nlls(runner, d["answers"] or [])
+            nll, seen = gold_nlls(runner, d["answers"]) if task == "qa" else ({}, {})
             t0 = time.perf_counter()
             res = runner.run(doc)
             wall = time.perf_counter() - t0
