@@ -16,14 +16,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional, Sequence
 
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from pipeline import models
-from pipeline.config import RunConfig
+from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, Hooks, run
 from pipeline.store import Store
+from pipeline.suite.options import HEADLINE_RATIOS
 from pipeline.suite.variants import VARIANTS, check_variants, variant_configs
 from pipeline.evaluate import AGREE_EXACT, CORRECT, DELTA_NLL, GOLD_KEPT, ROUGE_L, TOP1
 
@@ -35,20 +37,21 @@ ABLATION_NEW_TOKENS = 24  # the evaluation set's answers are short
 
 def ablate(
     input: str,
-    ratios: list[float],
-    variants: Optional[list[str]] = None,
-    model: str = "smollm2-135m",
-    max_new_tokens: int = ABLATION_NEW_TOKENS,
-    prefill_step_size: int = 512,
-    limit: Optional[int] = None,
-    db: Optional[str] = None,
+    compression_ratio: Annotated[Sequence[float], Field(description="the ratios")] = HEADLINE_RATIOS,
+    variants: Annotated[Optional[Sequence[str]], Field(description="the variants (default: all)")] = None,
+    model: str = DEFAULT_MODEL,
+    max_new_tokens: Annotated[int, Field(description="tokens per answer at most")] = ABLATION_NEW_TOKENS,
+    prefill_step_size: Annotated[int, Field(description="context tokens per prefill chunk")] = 512,
+    limit: Annotated[Optional[int], Field(description="only the first N documents")] = None,
+    db: Annotated[Optional[str], Field(description="keep the rows in this store (default: a temporary "
+                                                   "one)")] = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> tuple[list[dict], dict]:
     """Mean metrics per (variant, ratio) and per-question values keyed by (variant, ratio, doc, question).
 
     An evaluation through the engine (one prefill per document, batched decode, the ``gold_kept`` hook);
     the rows land in ``db`` (a temporary store when None)."""
-    names = variants or list(VARIANTS)
+    names, ratios = list(variants or VARIANTS), list(compression_ratio)
     check_variants(names)
     base = RunConfig(task="qa", model=model, press="no_press", compression_ratio=0.0,
                      max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size)

@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Annotated, Callable, Optional, Sequence
 from unittest import mock
 
 import mlx.core as mx
@@ -22,6 +22,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.utils import dequantize_model, load_model
+
+from pydantic import Field
 
 from nestedkv import KeyDiffPress, NestedKVPress, NoPress, _cpu, attention, clone, compress, layer_stats, make_cache
 from nestedkv._platform import AVX2, AVX512, blas_info, cpu_cores, read_cpuinfo
@@ -360,9 +362,17 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
-def run(model: Optional[Path] = None, context: int = 4096, new_tokens: int = 32, chunk: int = 512,
-        text: Optional[str] = None, random_tokens: bool = False, sizes: Sequence[int] = SIZES, repeats: int = 3,
-        out: Optional[Path] = None, log: Callable[[str], None] = print) -> dict:
+def run(model: Optional[Path] = None,
+        context: Annotated[int, Field(description="context tokens")] = 4096,
+        new_tokens: Annotated[int, Field(description="tokens decoded per measurement")] = 32,
+        chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
+        text: Annotated[Optional[str], Field(description="a UTF-8 text file for the context (default: a built-in "
+                                                         "paragraph, repeated)")] = None,
+        random_tokens: Annotated[bool, Field(description="random token ids instead of tokenized text")] = False,
+        sizes: Annotated[Sequence[int], Field(description="scoring sizes N")] = SIZES,
+        repeats: Annotated[int, Field(description="timed runs per scoring size, after two warm-ups")] = 3,
+        out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None,
+        log: Callable[[str], None] = print) -> dict:
     """Every part above, reported through ``log`` (and written to ``out`` as JSON). ``model``: an mlx-lm
     directory for the model part (none: BLAS and scoring only). Bad arguments raise ValueError before any work."""
     if context < 8 or new_tokens < 1 or chunk < 1:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Annotated, Callable, Literal, Optional, Sequence
 
 import mlx.core as mx
+
+from pydantic import Field
 
 import nestedkv
 from nestedkv.press import get_press
@@ -49,9 +51,17 @@ def ways(presses: Sequence[str], fits: bool) -> list[tuple[str, dict]]:
     return out + [(f"stream {p}", {"press": p, "long_docs": "stream"}) for p in presses]
 
 
-def run(model_ref: str, lengths: Sequence[int], per_length: int = 2, presses: Sequence[str] = ("nestedkv",
-        "keydiff", "streaming_llm"), max_new_tokens: Optional[int] = None, seed: int = 0,
-        austen: Optional[str] = None, window: Optional[int] = None, task: str = "qa", log: Log = print) -> dict:
+def run(model_ref: str, lengths: Annotated[Sequence[int], Field(description="document lengths")] = (6554, 20480),
+        per_length: Annotated[int, Field(description="documents per length (0: none)")] = 2,
+        presses: Annotated[Sequence[str], Field(description="the presses that stream")] = ("nestedkv", "keydiff", "streaming_llm"),
+        max_new_tokens: Annotated[Optional[int], Field(description="tokens per output at most (default " + ", ".join(
+            f"{n} for {t}" for t, n in NEW_TOKENS.items()) + ")")] = None,
+        seed: Annotated[int, Field(description="the documents' seed")] = 0,
+        austen: Annotated[Optional[str], Field(description="folder with the Austen .txt files")] = None,
+        window: Annotated[Optional[int], Field(description="treat the model's window as this many tokens (default: its own)")] = None,
+        task: Annotated[Literal["qa", "summarize"], Field(description="qa (needles in the middle: recall) or summarize "
+                                                    "(planted events: coverage by depth)")] = "qa",
+        log: Log = print) -> dict:
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one).
     ``task``: qa (needles in the middle, recall) or summarize (the suite's summary documents with planted
@@ -154,7 +164,11 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     return table
 
 
-def rates(model_ref: str, lengths: Sequence[int], budget: int = 1024, press: str = "nestedkv", chunk: int = 512,
+def rates(model_ref: str, lengths: Annotated[Sequence[int], Field(description="also time a streaming prefill of these lengths")],
+          budget: Annotated[int, Field(description="tokens kept per head", json_schema_extra={"flags": ["--budget"]})
+                            ] = 1024,
+          press: Annotated[str, Field(description="the press that streams")] = "nestedkv",
+          chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
           austen: Optional[str] = None, log: Log = print) -> list[dict]:
     """Streaming prefill tokens/s and peak KV bytes of ``press`` keeping ``budget`` rows per head, at each
     length (the window's positions as a 64-token question and 16-token answer would leave them)."""

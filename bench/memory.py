@@ -12,6 +12,7 @@ decode tokens per second. Writes ``memory.json``, ``memory.md`` and ``memory.png
 
 from __future__ import annotations
 
+from typing import Annotated, Sequence
 import json
 import time
 from pathlib import Path
@@ -20,8 +21,11 @@ import mlx.core as mx
 import pyarrow.parquet as pq
 from matplotlib.figure import Figure
 
+from pydantic import Field
+
 import nestedkv
-from pipeline.config import RunConfig
+from nestedkv.run_defaults import COMPRESSION_RATIO
+from pipeline.config import DEFAULT_MODEL, INT32_MAX, RunConfig
 from pipeline.engine import make_runner
 from pipeline.prompts import encode
 from pipeline.results import DocumentResult, QuestionResult
@@ -130,9 +134,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(model: str, lengths: list[int], budget: int, ratio: float, chunk: int, new_tokens: int,
-         out: str) -> list[dict]:
-    rows = measure(model, lengths, budget, ratio, chunk, new_tokens)
+def main(model: str = DEFAULT_MODEL,
+         lengths: Annotated[Sequence[int], Field(description="context lengths")] = (1024, 2048, 4096, 8192),
+         budget: Annotated[int, Field(description="tokens kept per head")] = 512,
+         compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+         chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
+         new_tokens: Annotated[int, Field(description="tokens decoded per measurement")] = 32,
+         out: Annotated[str, Field(description="folder for the table and the PNG plot")] = "reports/memory",
+         ) -> list[dict]:
+    if not lengths or not all(1 <= n <= INT32_MAX for n in lengths):
+        raise ValueError(f"--lengths: context lengths must be whole numbers of tokens in 1..{INT32_MAX}, got "
+                         f"{','.join(map(str, lengths))}")
+    rows = measure(model, lengths, budget, compression_ratio, chunk, new_tokens)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "memory.json").write_text(json.dumps(rows, indent=2))

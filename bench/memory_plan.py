@@ -16,14 +16,16 @@ import json
 import resource
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pydantic import Field
+
 from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline import memory_plan
-from pipeline.config import EngineOptions, RunConfig
+from pipeline.config import DEFAULT_MODEL, EngineOptions, RunConfig
 from pipeline.documents import load_documents
 from pipeline.engine import make_runner, run
 from pipeline.sizes import parse_size
@@ -76,10 +78,15 @@ def measure(model_ref: str, tokens: int, ratio: float, chunk: int, limit: Option
     return out
 
 
-def run_benchmark(model: str = "smollm2-135m", tokens: int = 5500, ratio: float = COMPRESSION_RATIO, chunk: int = 512,
-                  limit: Optional[str] = None, out: Optional[str] = None) -> dict:
+def run_benchmark(model: str = DEFAULT_MODEL,
+                  tokens: Annotated[int, Field(description="the document's length in tokens (about)")] = 5500,
+                  compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+                  chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
+                  limit: Annotated[Optional[str], Field(description="the memory limit (default: the weights, half "
+                                                        "the document's whole KV and 150 MiB)")] = None,
+                  out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="nkv-memory-plan-") as tmp:
-        figures = measure(model, tokens, ratio, chunk, parse_size(limit) if limit else None, Path(tmp))
+        figures = measure(model, tokens, compression_ratio, chunk, parse_size(limit) if limit else None, Path(tmp))
     if out:
         Path(out).write_text(json.dumps(figures, indent=2, default=str))
     return figures

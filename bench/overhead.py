@@ -12,10 +12,12 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
+
+from pydantic import Field
 
 from nestedkv.run_defaults import COMPRESSION_RATIO
-from pipeline.config import RunConfig
+from pipeline.config import DEFAULT_INPUT, RunConfig, Task
 from pipeline.engine import run
 
 
@@ -26,9 +28,12 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def run_overhead(input: str = "data/sample_batch.parquet", task: str = "qa", model: Optional[str] = None,
-                 press: str = "nestedkv", compression_ratio: float = COMPRESSION_RATIO, max_new_tokens: int = 32,
-                 out: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
+def run_overhead(input: Annotated[str, Field(description="the batch")] = DEFAULT_INPUT,
+                 task: Annotated[Task, Field(description="the batch's task")] = "qa", model: Optional[str] = None,
+                 press: Annotated[str, Field(description="the press")] = "nestedkv",
+                 compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+                 max_new_tokens: Annotated[int, Field(description="tokens per output at most")] = 32,
+                 out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None, log: Callable[[str], None] = print) -> dict:
     """One batch through ``engine.run`` into a temporary store, its wall time split into model compute and the
     rest; the figures through ``log`` (and to ``out`` as JSON). ``model`` None: the configuration's default."""
     cfg = {"task": task, "press": press, "compression_ratio": compression_ratio, "max_new_tokens": max_new_tokens}

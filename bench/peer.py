@@ -25,12 +25,13 @@ import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from bench.peer_export import export_fp32
 from bench.rss import peak_rss
@@ -346,21 +347,24 @@ def measure(a) -> dict:
     return report
 
 
-@dataclass(frozen=True)
-class PeerOptions:
+class PeerOptions(BaseModel):
     """What ``nkv bench peer`` runs: ``docs`` documents (with questions) from the start of ``input``."""
 
-    input: str = EVAL_INPUT
-    docs: int = 2
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    input: str = Field(EVAL_INPUT, description="the batch")
+    docs: int = Field(2, ge=1, description="documents (with questions) from the start of the input")
     model: str = DEFAULT_MODEL
-    compression_ratio: float = COMPRESSION_RATIO
-    max_new_tokens: int = 24
-    peer_python: str = field(default_factory=lambda: os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON))
-    peer_threads: int = 1  # torch threads on the kvpress side
-    export_dir: str = DEFAULT_EXPORT  # where the fp32 transformers copy is written
-    probe_tokens: int = 256
-    tolerance: float = 1e-2  # max |logit difference| on the probe
-    out: Optional[str] = None  # also write the report as JSON
+    compression_ratio: float = Field(COMPRESSION_RATIO, description="fraction of the context removed")
+    max_new_tokens: int = Field(24, ge=1, description="tokens per answer at most")
+    peer_python: str = Field(default_factory=lambda: os.environ.get("NKV_PEER_PYTHON", DEFAULT_PEER_PYTHON),
+                             description="the kvpress environment's python (default: $NKV_PEER_PYTHON or "
+                                         f"{DEFAULT_PEER_PYTHON})")
+    peer_threads: int = Field(1, ge=1, description="torch threads")
+    export_dir: str = Field(DEFAULT_EXPORT, description="where the fp32 transformers copy is written")
+    probe_tokens: int = Field(256, ge=1, description="context tokens whose logits both engines must agree on")
+    tolerance: float = Field(1e-2, gt=0, description="max |logit difference| on the probe")
+    out: Optional[str] = Field(None, description="also write the report here (JSON)")
 
 
 def run(a: PeerOptions) -> dict:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Annotated, Callable, Optional, Sequence
 
 import mlx.core as mx
+
+from pydantic import Field
 
 import nestedkv
 from nestedkv.press import PRESSES, get_press
@@ -52,9 +54,13 @@ def best_of(repeats: int, fn: Callable[[], None]) -> float:
     return best
 
 
-def run_press_cost(model: Optional[str] = None, context: int = 4096, presses: Sequence[str] = DEFAULT_PRESSES,
-                   compression_ratio: float = COMPRESSION_RATIO, chunk: int = 512, repeats: int = 1,
-                   out: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
+def run_press_cost(model: Optional[str] = None, context: Annotated[int, Field(description="context tokens")] = 4096,
+                   presses: Annotated[Sequence[str], Field(description="the presses",
+                                                           json_schema_extra={"flags": ["--press"]})] = DEFAULT_PRESSES,
+                   compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+                   chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
+                   repeats: Annotated[int, Field(description="timed runs of the prefill and of each compression, the best taken")] = 1,
+                   out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None, log: Callable[[str], None] = print) -> dict:
     """The figures through ``log`` (and to ``out`` as JSON). Bad arguments raise ValueError before any work."""
     unknown = [p for p in presses if p not in PRESSES or p == "no_press"]
     if unknown:

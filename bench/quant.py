@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
+
+from pydantic import Field
 
 import nestedkv
 from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL, EVAL_INPUT, RunConfig
@@ -142,9 +144,15 @@ def quantization_error(runner, docs) -> list[dict]:
              "delta_nll": round(sums[(b, g, h)] / max(n_docs, 1), 5)} for b, g, h in variants]
 
 
-def run(input: str = EVAL_INPUT, model: str = DEFAULT_MODEL, docs: int = 6, max_new_tokens: int = 24,
-        speed_docs: int = 1, decode_tokens: int = 64, error_docs: int = 5, error_input: str = DEFAULT_INPUT,
-        out: Optional[str] = None,
+def run(input: Annotated[str, Field(description="the batch (with questions) for the mlx-lm comparison")] = EVAL_INPUT,
+        model: str = DEFAULT_MODEL,
+        docs: Annotated[int, Field(description="documents for the mlx-lm comparison (0: skip)")] = 6,
+        max_new_tokens: Annotated[int, Field(description="tokens per answer at most")] = 24,
+        speed_docs: Annotated[int, Field(description="documents for the speed figures (0: skip)")] = 1,
+        decode_tokens: Annotated[int, Field(description="greedy tokens decoded per speed row")] = 64,
+        error_docs: Annotated[int, Field(description="documents for the loss each quantizer adds (0: skip)")] = 5,
+        error_input: Annotated[str, Field(description="the batch for that loss")] = DEFAULT_INPUT,
+        out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None,
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
     """The three parts (``docs``, ``speed_docs`` or ``error_docs`` 0: that part skipped), each figure through
     ``log`` as it comes (and all of them to ``out`` as JSON)."""

@@ -11,10 +11,14 @@ norm of their mean: 1 = all alike), which the rotation lowers when neighbouring 
 
 from __future__ import annotations
 
-from typing import Callable
+import json
+from pathlib import Path
+from typing import Annotated, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
+
+from pydantic import Field
 
 from nestedkv import NoPress, make_cache, scoring
 from nestedkv.cache import full_layers
@@ -77,8 +81,12 @@ def summarize(layers: list[dict]) -> dict:
     return out
 
 
-def run(model_ref: str, context: int, step: int = 512, seed: int = 0, log=print) -> dict:
-    """Prefill ``context`` tokens of the bundled novels' prose and measure every layer."""
+def run(model_ref: str, context: Annotated[int, Field(description="context tokens")] = 4096,
+        step: Annotated[int, Field(description="prefill chunk size")] = 512,
+        seed: Annotated[int, Field(description="which passage of the novels")] = 0,
+        out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None, log=print) -> dict:
+    """Prefill ``context`` tokens of the bundled novels' prose and measure every layer (written to ``out`` as
+    JSON too)."""
     if context <= scoring.WINDOW:
         raise ValueError(f"--context must be more than {scoring.WINDOW} tokens, got {context}")
     model, tok = models.load_model(model_ref)
@@ -95,6 +103,8 @@ def run(model_ref: str, context: int, step: int = 512, seed: int = 0, log=print)
         mx.clear_cache()
     res = {"model": model_ref, "n_tokens": len(ids), "n_layers": len(layers), **summarize(layers)}
     log(format_report(res))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
     return res
 
 

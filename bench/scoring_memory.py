@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Annotated, Optional, Sequence
 
 import mlx.core as mx
+
+from pydantic import Field
 
 import nestedkv
 from nestedkv.cache import arrays, full_layers
 from nestedkv.run_defaults import COMPRESSION_RATIO
 from pipeline import models
+from pipeline.config import INT32_MAX
 from pipeline.prompts import encode, repeat_instruction
 from pipeline.runner import prefill
 from pipeline.tasks import summary_documents, token_counter
@@ -61,9 +64,16 @@ def measure(model_ref: str, lengths: Sequence[int], n_layers: int, ratio: float,
     return rows
 
 
-def run_benchmark(model: str = "smollm2-135m", lengths: Sequence[int] = (4096, 16384, 32768), layers: int = 2,
-                  ratio: float = COMPRESSION_RATIO, chunk: int = 512, out: Optional[str] = None) -> list[dict]:
-    rows = measure(model, lengths, layers, ratio, chunk)
+def run_benchmark(model: str = "smollm2-135m",
+                  lengths: Annotated[Sequence[int], Field(description="context lengths")] = (4096, 16384, 32768),
+                  layers: Annotated[int, Field(description="the model's first layers kept (scoring is per "
+                                                          "layer)")] = 2,
+                  compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+                  chunk: Annotated[int, Field(description="prefill chunk size")] = 512,
+                  out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None) -> list[dict]:
+    if not lengths or not all(1 <= n <= INT32_MAX for n in lengths) or layers < 1:
+        raise ValueError("--lengths: positive token counts; --layers: at least 1")
+    rows = measure(model, lengths, layers, compression_ratio, chunk)
     if out:
         Path(out).write_text(json.dumps(rows, indent=2))
     return rows

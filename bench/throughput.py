@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
+
+from pydantic import Field
 
 from bench.overhead import timed as _timed
 from nestedkv.run_defaults import COMPRESSION_RATIO
-from pipeline.config import DEFAULT_MODEL, RunConfig
+from pipeline.config import DEFAULT_INPUT, DEFAULT_MODEL, RunConfig, Task
 from pipeline.engine import EngineOptions, make_runner, run
 from pipeline.store import Store
 
@@ -76,12 +78,19 @@ def measure_rerun(input: str, config: RunConfig, rerun_ratio: float, batch_size:
     }
 
 
-def run_benchmark(input: str = "data/sample_batch.parquet", task: str = "summarize", model: str = DEFAULT_MODEL,
-                  batch_size: int = 5, max_new_tokens: int = 128, ratio: float = COMPRESSION_RATIO, rerun_ratio: float = 0.9,
-                  rerun: bool = True, out: Optional[str] = None) -> dict:
+def run_benchmark(input: Annotated[str, Field(description="the batch")] = DEFAULT_INPUT,
+                  task: Annotated[Task, Field(description="the batch's task")] = "summarize",
+                  model: str = DEFAULT_MODEL,
+                  batch_size: Annotated[int, Field(description="documents decoded together")] = 5,
+                  max_new_tokens: Annotated[int, Field(description="tokens per output at most")] = 128,
+                  compression_ratio: Annotated[float, Field(description="fraction of the context removed")] = COMPRESSION_RATIO,
+                  rerun_ratio: Annotated[float, Field(description="the re-run's ratio")] = 0.9,
+                  rerun: Annotated[bool, Field(description="also time a re-run with a new ratio, with and without "
+                                                  "the prefill cache")] = True,
+                  out: Annotated[Optional[str], Field(description="also write the figures here (JSON)")] = None) -> dict:
     """``measure`` in a temporary folder, printed (and written to ``out`` as JSON)."""
     with tempfile.TemporaryDirectory(prefix="nkv-throughput-") as tmp:
-        figures = measure(input, task, model, batch_size, max_new_tokens, ratio, rerun_ratio, Path(tmp), rerun=rerun)
+        figures = measure(input, task, model, batch_size, max_new_tokens, compression_ratio, rerun_ratio, Path(tmp), rerun=rerun)
     width = max(map(len, figures))
     for k, v in figures.items():
         print(f"{k:<{width}}  {v}")

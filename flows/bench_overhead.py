@@ -13,10 +13,11 @@ import json
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from bench.overhead import timed as _timed
 from flows.batch import FLOWS
@@ -103,8 +104,13 @@ def measure(input: str, model: str, max_new_tokens: int, repeats: int, workdir: 
     }
 
 
-def run(input: str = DEFAULT_INPUT, model: str = DEFAULT_MODEL, max_new_tokens: int = 16,
-        repeats: int = 1, model_runs: bool = True, as_json: bool = False,
+def run(input: Annotated[str, Field(description="the batch")] = DEFAULT_INPUT, model: str = DEFAULT_MODEL,
+        max_new_tokens: Annotated[int, Field(description="tokens per output at most")] = 16,
+        repeats: Annotated[int, Field(description="timed runs of each kind, the fastest counts")] = 1,
+        model_runs: Annotated[bool, Field(description="also the runs with the model (else the no-op runner "
+                                                      "only)")] = True,
+        as_json: Annotated[bool, Field(description="print one JSON object instead of a table",
+                                       json_schema_extra={"flags": ["--json"]})] = False,
         log: Callable[[str], None] = print) -> dict:
     """``measure`` in a temporary folder, through ``log`` as a table with its reading (or one JSON object).
     ``repeats``: timed runs of each kind, the fastest counts; ``model_runs`` False: the no-op runner only."""

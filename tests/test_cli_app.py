@@ -85,20 +85,56 @@ def test_help_lists_every_press_and_every_way_of_reading_a_long_document(name):
         assert way in params["long_docs"].help
 
 
-def test_bench_options_show_their_benchmarks_own_defaults():
-    """A bench option left out keeps the benchmark function's default; its help shows that default, read from
-    the function, never a number copied beside it."""
-    import inspect
-    import re
-    from pathlib import Path
+def _leaf_commands(group=None, path=()):
+    group = group or get_command(app)
+    ctx = typer.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        if hasattr(cmd, "list_commands"):
+            yield from _leaf_commands(cmd, path + (name,))
+        else:
+            yield path + (name,), cmd
 
-    from bench import kernels, quant
 
-    source = (Path(__file__).resolve().parents[1] / "flows/cli/bench.py").read_text()
-    assert not re.search(r"\(default [0-9]", source)
-    bench = get_command(app).get_command(typer.Context(get_command(app)), "bench")
-    ctx = typer.Context(bench)
-    helps = {(c, p.name): p.help for c in ("kernels", "quant") for p in bench.get_command(ctx, c).params}
-    assert helps[("kernels", "chunk")].endswith(f"(default {inspect.signature(kernels.run).parameters['chunk'].default})")
-    assert helps[("kernels", "sizes")].endswith("(default " + ",".join(map(str, kernels.SIZES)) + ")")
-    assert helps[("quant", "docs")].endswith(f"(default {inspect.signature(quant.run).parameters['docs'].default})")
+# What no declaration holds: the model and input references (the batch spec's options), where a command writes
+# its own output, and the batch commands' own fan-out and comparison switches.
+HAND_WRITTEN = {"model", "input", "out", "task", "db", "data_path", "pool", "shards", "shard_size", "compare_full"}
+
+
+def test_every_option_is_its_declarations_and_declared_once():
+    """Each generated option defaults to its declaration's default (unless its command sets its own, a suite's
+    grid say), and what stays hand-written in a command is only what no declaration holds; the suite, tasks,
+    ablation and every bench command are generated from their settings model or benchmark signature."""
+    from flows.options import cli_default, declared
+
+    generated = 0
+    for path, cmd in _leaf_commands():
+        fields, overridden = declared(cmd.callback)
+        own = {p.name for p in cmd.params if p.name not in fields and p.name != "help"}
+        assert not own & set(fields), (path, own & set(fields))
+        if path[0] in ("bench", "suite", "tasks", "ablation"):
+            assert own <= HAND_WRITTEN, (path, own - HAND_WRITTEN)
+            assert fields, path
+        for p in cmd.params:
+            field = fields.get(p.name)
+            if field is None or p.name in overridden:
+                continue
+            generated += 1
+            want = cli_default(field)
+            assert (p.default is None if want is None else str(p.default) == str(want)), (path, p.name, p.default, want)
+    assert generated > 100
+
+
+def test_a_list_option_is_comma_separated_and_a_bad_item_names_its_flag():
+    result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "1024,x"])
+    assert result.exit_code == 2 and "--lengths" in result.output and "int" in result.output
+
+
+def test_a_generated_option_reaches_the_benchmark(monkeypatch):
+    from bench import rope
+
+    seen = {}
+    monkeypatch.setattr(rope, "run", lambda *a, **kw: seen.update(args=a, kw=kw))
+    result = CliRunner().invoke(app, ["bench", "rope", "--context", "2048", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen["kw"]["context"] == 2048 and seen["kw"]["seed"] == 3 and seen["kw"]["step"] == 512

@@ -215,10 +215,10 @@ def test_map_reduce_summarizes_the_summaries():
 def test_niah_middle_plants_its_needles_in_the_middle():
     import random
 
-    from pipeline.tasks.plans import plan_niah_middle
+    from pipeline.tasks.kinds.niah_middle import plan_niah_middle
 
     for seed in range(50):
-        plan = plan_niah_middle(random.Random(seed))
+        plan = plan_niah_middle(random.Random(seed), None)
         assert len(plan.needles) == 3 and all(0.3 <= d <= 0.7 for d, _ in plan.needles), plan.needles
 
 

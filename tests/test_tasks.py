@@ -308,10 +308,8 @@ def test_suite_runs_end_to_end_on_a_tiny_model(monkeypatch, tmp_path):
     assert loads == [] and timeless(again.markdown_path.read_text()) == timeless(text)
 
     # without NestedKV in the grid there is nothing to pair: said so, not an empty table
-    from dataclasses import replace
-
-    alone = replace(opts, grid=PressGrid(press=["keydiff"], compression_ratio=[0.75], head_budget=["uniform"]),
-                    ablation=False)
+    alone = opts.model_copy(update={"grid": PressGrid(press=["keydiff"], compression_ratio=[0.75],
+                                                      head_budget=["uniform"]), "ablation": False})
     with use_tiny_model(monkeypatch):
         md = suite.run_suite(alone, count=COUNT, log=lambda m: None).markdown_path.read_text()
     assert "nothing to pair" in md and "| against |" not in md

@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 import nestedkv
 from pipeline import models
 from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
 from pipeline.spec import PressGrid
 from pipeline.suite.variants import VARIANTS, variant_configs
-from pipeline.tasks import SIZES, TASKS, summary_documents
+from pipeline.tasks import SIZES, TASKS, check_tasks, summary_documents
 
 
 def methods() -> tuple[str, ...]:
@@ -39,46 +41,52 @@ CUT_FILE = "summaries_middle_cut.parquet"
 MARKDOWN_NAME, PLOT_NAME, PREFILLS_DIR = "suite_report.md", "frontier.png", "prefills"
 
 
-@dataclass
-class SuiteOptions:
-    model: str = DEFAULT_MODEL
-    db: str = "suite.duckdb"
-    out: str = "reports/suite"
-    size: str = "standard"
-    lengths: Optional[tuple[int, ...]] = None  # default: the size's
-    per_task: Optional[int] = None  # default: the size's
-    tasks: tuple[str, ...] = TASKS
-    seed: int = 0
+class SuiteOptions(BaseModel):
+    """A suite's settings, declared once: ``nkv suite`` and ``nkv tasks`` generate their options from these
+    fields."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = DEFAULT_MODEL  # the CLI's --model is the batch spec's option
+    db: str = Field("suite.duckdb", description="DuckDB file")
+    out: str = Field("reports/suite", description="folder for suite.parquet, suite_report.md, frontier.png")
+    size: str = Field("standard", description="quick (1k, 1 per task), small (2k, 2), standard (2k/4k/8k, 2)")
+    lengths: Optional[tuple[int, ...]] = Field(None, description="target context tokens, e.g. 2048,4096 "
+                                               "(default: the size's)")
+    per_task: Optional[int] = Field(None, description="documents per task and length (default: the size's)")
+    tasks: tuple[str, ...] = Field(TASKS, description="a subset of the tasks")
+    seed: int = Field(0, description="the documents' seed")
     # the press grid of the methods (streaming prefill runs each configuration's own prefill) and the
     # generation and engine settings: the same models as every batch command's
-    grid: PressGrid = field(default_factory=default_grid)
-    options: BatchOptions = field(default_factory=default_options)
-    threshold: float = 0.6
-    all_tasks: bool = False  # run the methods on the cells that failed calibration too
-    austen: Optional[str] = None
-    ablation: bool = True  # NestedKV's per-scale variants (pipeline.suite.variants) at the headline ratios
-    variants: Optional[tuple[str, ...]] = None  # which of them (default: every NestedKV variant)
-    summaries: int = 0  # plain documents per long length whose compressed summaries are compared
-    summary_tokens: int = 128  # max_new_tokens of a summary
-    long_from: int = LONG_FROM  # "long": the headline, the ablation and the summaries use these lengths
-    summaries_only: bool = False  # the summary stage alone: no task documents, calibration or methods
+    grid: PressGrid = Field(default_factory=default_grid)
+    options: BatchOptions = Field(default_factory=default_options)
+    threshold: float = Field(0.6, description="least uncompressed accuracy for a task x length cell to enter "
+                             "the headline")
+    all_tasks: bool = Field(False, description="run the methods on the cells below the threshold too")
+    austen: Optional[str] = Field(None, description="folder with the Austen .txt files")
+    ablation: bool = Field(True, description="NestedKV's per-scale variants on the long documents, at the "
+                           "headline ratios")
+    variants: Optional[tuple[str, ...]] = Field(None, description="a subset of those variants (default: all, "
+                                                "e.g. 'block only,window only post-RoPE')")
+    summaries: int = Field(0, ge=0, description="plain documents per long length whose compressed summaries "
+                           "are compared with the uncompressed one")
+    summary_tokens: int = Field(128, ge=1, description="tokens of a summary at most")
+    long_from: int = Field(LONG_FROM, ge=1, description="documents of at least this many tokens make the "
+                           "headline, the ablation and the summaries")
+    summaries_only: bool = Field(False, description="only the summaries: no task documents, calibration or "
+                                 "methods")
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self):
         if self.size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
-        unknown = [t for t in self.tasks if t not in TASKS]
-        if unknown or not self.tasks:
-            raise ValueError(f"tasks: unknown {unknown or 'none given'}; known: {', '.join(TASKS)}")
+        check_tasks(self.tasks)
         if self.lengths is not None and (not self.lengths or any(int(n) < 256 for n in self.lengths)):
             raise ValueError(f"lengths: need at least one length of 256 tokens or more, got {self.lengths!r}")
         if self.per_task is not None and self.per_task < 1:
             raise ValueError(f"per_task must be >= 1, got {self.per_task!r}")
-        for name in ("summaries", "summary_tokens", "long_from"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < (0 if name == "summaries" else 1):
-                raise ValueError(f"{name} must be an int >= {0 if name == 'summaries' else 1}, got {v!r}")
         if self.summaries_only and not self.summaries:
             raise ValueError("summaries_only needs summaries >= 1 (documents per length)")
         if REFERENCE_PRESS in self.grid.press:
@@ -90,6 +98,7 @@ class SuiteOptions:
             if unknown:
                 raise ValueError(f"variants: unknown {unknown}; known: "
                                  f"{', '.join(n for n, v in VARIANTS.items() if v[0] == 'nestedkv')}")
+        return self
 
     @property
     def out_dir(self) -> Path:

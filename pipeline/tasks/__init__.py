@@ -31,20 +31,15 @@ schema plus ``task``, ``length`` (target tokens), ``n_tokens`` (measured), and p
 Deterministic: every document draws from its own RNG seeded by (seed, task, length, index), so a subset of
 tasks or lengths yields the same documents as the full set.
 
-Modules: ``text`` (Austen's novels as a haystack of sentences), ``forms`` (surface forms), ``plans`` (what each
-task plants and asks), ``build`` (sizing, documents, Parquet). Every name is importable from here.
+Modules: ``text`` (Austen's novels as a haystack of sentences), ``forms`` (surface forms), ``plans`` (the plan
+and the registry), ``kinds`` (one module per task, each registering its planner), ``build`` (sizing, documents,
+Parquet). A new task is a module in ``kinds`` and its test; ``tests/test_task_contract.py`` holds every
+registered task to the contract.
 """
 
-# Re-exported: importers name pipeline.tasks, whichever module defines the name.
-from pipeline.tasks.build import (SCHEMA, SIZES, Size, fit, generate, length_label, make_document, render,
-                                  summary_documents, token_counter, write)  # noqa: F401
-from pipeline.tasks.forms import (CODE_WORDS, CONTAINERS, COUNTY_HEAD, CWE_QUESTIONS, FIRST, ITEMS, KEY_ADJ, KEY_NOUN,
-                                  LAST, MULTI_QUESTIONS, MULTI_STATEMENTS, NOUNS, QUERY_QUESTIONS, QUESTIONS,
-                                  ROOM_ADJ, ROOMS, STATEMENTS, TOWN_HEAD, TOWN_TAIL, TWO_HOP, VT_FORMS, VT_QUESTIONS,
-                                  draw_key, draw_value)  # noqa: F401
-from pipeline.tasks.plans import (PLANNERS, TASKS, Plan, TokenCounter, largest, plan_common_words, plan_niah_multikey,
-                                  plan_niah_multiquery, plan_niah_multivalue, plan_niah_single, plan_two_hop,
-                                  plan_variable_tracking)  # noqa: F401
-from pipeline.tasks.text import (ABBREVIATIONS, DATA, DEFAULT_AUSTEN, NOVEL_FILES, SENTENCE_END, Sentence, boundaries,
-                                 haystack, read_chapters, roman, vocabulary)  # noqa: F401
+from pipeline.tasks.build import (SCHEMA, SIZES, Size, generate, length_label, summary_documents, token_counter,
+                                  write)
+from pipeline.tasks.kinds import KINDS, KNOWN, TASKS, check_tasks
 
+__all__ = ["KINDS", "KNOWN", "SCHEMA", "SIZES", "Size", "TASKS", "check_tasks", "generate", "length_label",
+           "summary_documents", "token_counter", "write"]

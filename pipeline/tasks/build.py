@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 
 from pipeline.metrics import MIDDLE
 from pipeline.prompts import encode
-from pipeline.tasks.plans import (LONG_TASKS, PLANNERS, TASKS, TokenCounter, largest, plan_common_words,
-                                  plan_summary_events)
+from pipeline.tasks.kinds import KINDS, TASKS, check_tasks
+from pipeline.tasks.plans import Room, TokenCounter, largest, plan_summary_events
 from pipeline.tasks.text import SENTENCE_END, Sentence, haystack, vocabulary
 
 
@@ -89,15 +89,14 @@ def length_label(length: int) -> str:
 
 def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[Sentence], vocab: Sequence[str],
                   count: TokenCounter) -> dict:
-    if task not in TASKS + LONG_TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + LONG_TASKS)}")
+    check_tasks([task])
     rng = random.Random(f"{seed}:{task}:{length}:{index}")
+    room = Room(length, vocab, count)
     for _ in range(100):  # redraw until every value occurs exactly once (the haystack never supplies one)
-        if task == "common_words":
-            plan = plan_common_words(rng, length, vocab, count)
+        plan = KINDS[task].plan(rng, room)
+        if plan.body is not None:
             text = plan.body
         else:
-            plan = PLANNERS[task](rng)
             starts = [i for i, s in enumerate(hay) if s.open]
             text = fit(hay, rng.choice(starts), plan.needles, length, count)
         if all(len(re.findall(rf"\b{re.escape(v)}\b", text)) == 1 for v in plan.once):
@@ -116,9 +115,7 @@ def make_document(task: str, length: int, index: int, seed: int, hay: Sequence[S
 def generate(count: TokenCounter, lengths: Sequence[int] = SIZES["standard"].lengths, per_task: int = 2,
              seed: int = 0, tasks: Sequence[str] = TASKS, austen: Optional[Path] = None) -> list[dict]:
     """Every task x length x index as a document row (see the module doc); ``count(text)`` -> tokens."""
-    bad = [t for t in tasks if t not in TASKS + LONG_TASKS]
-    if bad:
-        raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS + LONG_TASKS)}")
+    check_tasks(tasks)
     if per_task < 1 or not lengths or any(int(n) < 256 for n in lengths):
         raise ValueError(f"need per_task >= 1 and lengths >= 256 tokens, got per_task={per_task}, lengths={lengths}")
     hay = haystack(austen)
