@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # The novels' reader is shared with the synthetic long-context tasks.
-from pipeline.tasks import boundaries, read_chapters
+from pipeline.tasks.text import NOVELS_DIR, boundaries, novel_file, read_chapters
 
 SEED = 20240611
 NOVELS = {  # doc_id prefix -> (file, title)
@@ -147,7 +147,7 @@ def plant(paras: list[str], kinds: tuple[str, str], rng: random.Random, corpus: 
 
 def build(austen: Path) -> tuple[list[dict], list[dict]]:
     rng = random.Random(SEED)
-    chapters = {key: read_chapters(austen / fname) for key, (fname, _) in NOVELS.items()}
+    chapters = {key: read_chapters(novel_file(austen, fname)) for key, (fname, _) in NOVELS.items()}
     corpus = " ".join(p for ch in chapters.values() for paras in ch.values() for p in paras).lower()
     kind_pairs = list(itertools.combinations(sorted(TEMPLATES), 2))
     rng.shuffle(kind_pairs)
@@ -180,11 +180,11 @@ def write(rows: list[dict], path: Path, extra: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--austen", type=Path, default=here.parents[2] / "shared/data/austen",
-                    help="folder with the Austen .txt files")
+    ap.add_argument("--austen", type=Path, default=NOVELS_DIR,
+                    help="folder with the Austen .txt files (default: the package's copy)")
     ap.add_argument("--out", type=Path, default=here.parent, help="output folder (default: data/)")
     args = ap.parse_args(argv)
-    missing = [f for f, _ in NOVELS.values() if not (args.austen / f).is_file()]
+    missing = [f for f, _ in NOVELS.values() if novel_file(args.austen, f) is None]
     if missing:
         print(f"error: Austen novels not found in {args.austen} (missing {', '.join(missing)}); pass --austen DIR",
               file=sys.stderr)

@@ -2,6 +2,8 @@
 stream``): the model never sees a rope position past P, memory stays bounded whatever the length, moved keys
 are the rope at their new positions, and the pipeline records how each document was read."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -18,7 +20,6 @@ from pipeline.documents import Document
 from pipeline.models import builtin_path, clear_loaded, load_model
 from pipeline.results import OK, TOO_LONG
 from pipeline.runner import Runner
-from pipeline.tasks.text import _bundled_paragraphs
 from tests.tiny import ByteTokenizer, tiny_model
 
 CHUNK = 64
@@ -307,7 +308,7 @@ def test_smollm2_answers_each_question_from_the_part_that_holds_its_fact(tmp_pat
     monkeypatch.setenv("NKV_CACHE_DIR", str(tmp_path))
     clear_loaded()
     model, tok = load_model("smollm2-135m")
-    sents = [s for p in _bundled_paragraphs() for s in p.split(". ")][:200]
+    sents = [s for p in _sample_paragraphs() for s in p.split(". ")][:200]
     paras = [". ".join(sents[i:i + 8]) for i in range(0, 96, 8)]
     codes = {"blue": "7319", "red": "4821", "green": "5067"}
     facts = dict(zip((2, 6, 10), (f"The secret code of the {door} door is {code}." for door, code in codes.items())))
@@ -319,3 +320,20 @@ def test_smollm2_answers_each_question_from_the_part_that_holds_its_fact(tmp_pat
     assert res.status == OK and res.read_mode == "map_reduce" and res.n_tokens > 1800, (res.n_tokens, res.error)
     assert [codes[d] in q.output for d, q in zip(("blue", "green"), res.questions)] == [True, True], \
         [q.output for q in res.questions]
+
+
+def _sample_paragraphs() -> list[str]:
+    """The bundled batches' paragraphs without their planted sentences: only Austen's own text."""
+    import pyarrow.parquet as pq
+
+    from pipeline.tasks.text import SENTENCE_END
+
+    paras = []
+    for name in ("eval_set", "sample_batch"):
+        path = Path(__file__).resolve().parents[1] / "data" / f"{name}.parquet"
+        for r in pq.read_table(path, columns=["text", "answers"]).to_pylist():
+            for p in r["text"].split("\n\n"):
+                kept = [s for s in SENTENCE_END.split(p) if not any(a in s for a in r["answers"])]
+                if kept:
+                    paras.append(" ".join(kept))
+    return paras

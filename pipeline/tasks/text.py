@@ -1,17 +1,16 @@
 """Jane Austen's novels as a haystack of sentences: chapters -> paragraphs -> sentences, with the places where a
-planted sentence may go (never inside a quotation)."""
+planted sentence may go (never inside a quotation). The four novels ship with the package (``austen/``,
+gzip'd, public domain), so a seed builds the same documents on every machine."""
 
 from __future__ import annotations
 
+import gzip
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import pyarrow.parquet as pq
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-DEFAULT_AUSTEN = Path(__file__).resolve().parents[3] / "shared/data/austen"
+NOVELS_DIR = Path(__file__).with_name("austen")
 NOVEL_FILES = ("prideprejudice.txt", "sensesensibility.txt", "northangerabbey.txt", "mansfieldpark.txt")
 
 ABBREVIATIONS = {"Mr.", "Mrs.", "Dr.", "St.", "Col.", "Capt.", "Esq."}
@@ -26,11 +25,22 @@ def roman(s: str) -> int:
     return sum(-n if n < nxt else n for n, nxt in zip(nums, nums[1:] + [0]))
 
 
+def novel_file(folder: Path, name: str) -> Optional[Path]:
+    """``folder/name``, or its gzip'd copy ``name.gz`` (the package's), or None."""
+    for path in (Path(folder) / name, Path(folder) / f"{name}.gz"):
+        if path.is_file():
+            return path
+    return None
+
+
 def read_chapters(path: Path) -> dict[int, list[str]]:
-    """Chapter number -> paragraphs (blank lines separate paragraphs; wrapped lines are joined with spaces)."""
+    """Chapter number -> paragraphs (blank lines separate paragraphs; wrapped lines are joined with spaces);
+    ``path`` a novel's text, plain or gzip'd."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
     chapters: dict[int, list[str]] = {}
     current = None
-    for block in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
+    for block in re.split(r"\n\s*\n", text):
         para = " ".join(block.split())
         m = re.fullmatch(r"chapter\s+([0-9]+|[ivxlc]+)\.?", para, re.I)
         if m:
@@ -66,15 +76,13 @@ class Sentence:
 
 
 def haystack(austen: Optional[Path] = None) -> list[Sentence]:
-    """The novels' text as sentences, from ``austen`` (default: the shared copy of the novels when present,
-    else the chapters bundled in data/*.parquet with their planted facts removed)."""
-    folder = Path(austen) if austen is not None else DEFAULT_AUSTEN
-    if all((folder / f).is_file() for f in NOVEL_FILES):
-        paras = [p for f in NOVEL_FILES for _, ch in sorted(read_chapters(folder / f).items()) for p in ch]
-    elif austen is not None:
+    """The novels' text as sentences, from the folder ``austen`` (``NOVEL_FILES``, plain or gzip'd; default:
+    the package's copy)."""
+    folder = Path(austen) if austen is not None else NOVELS_DIR
+    files = [novel_file(folder, f) for f in NOVEL_FILES]
+    if None in files:
         raise FileNotFoundError(f"Austen novels not found in {folder} (need {', '.join(NOVEL_FILES)})")
-    else:
-        paras = _bundled_paragraphs()
+    paras = [p for f in files for _, ch in sorted(read_chapters(f).items()) for p in ch]
     out: list[Sentence] = []
     spots: dict[int, set[int]] = {}
     for i, off in boundaries(paras):
@@ -87,18 +95,6 @@ def haystack(austen: Optional[Path] = None) -> list[Sentence]:
             if piece:
                 out.append(Sentence(i, piece, a in mine))
     return out
-
-
-def _bundled_paragraphs() -> list[str]:
-    paras = []
-    for name in ("eval_set", "sample_batch"):
-        for r in pq.read_table(DATA / f"{name}.parquet", columns=["text", "answers"]).to_pylist():
-            for p in r["text"].split("\n\n"):
-                # drop the planted sentences: only Austen's own text may be a haystack
-                kept = [s for s in SENTENCE_END.split(p) if not any(a in s for a in r["answers"])]
-                if kept:
-                    paras.append(" ".join(kept))
-    return paras
 
 
 def vocabulary(hay: Sequence[Sentence]) -> list[str]:
