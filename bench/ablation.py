@@ -38,7 +38,8 @@ ABLATION_NEW_TOKENS = 24  # the evaluation set's answers are short
 def ablate(
     input: str,
     compression_ratio: Annotated[Sequence[float], Field(description="the ratios")] = HEADLINE_RATIOS,
-    variants: Annotated[Optional[Sequence[str]], Field(description="the variants (default: all)")] = None,
+    variants: Annotated[Optional[Sequence[str]], Field(description="the variants (default: all)",
+                                                       json_schema_extra={"choices": lambda: tuple(VARIANTS)})] = None,
     model: str = DEFAULT_MODEL,
     max_new_tokens: Annotated[int, Field(description="tokens per answer at most")] = ABLATION_NEW_TOKENS,
     prefill_step_size: Annotated[int, Field(description="context tokens per prefill chunk")] = 512,

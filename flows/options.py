@@ -46,10 +46,13 @@ def _cli_type(field: FieldInfo) -> Any:
 
 
 def choices(name: str, field: FieldInfo) -> tuple[str, ...]:
-    """The values a setting takes, for its help: the press registry's names, or a Literal's values (an
-    Optional one's too); none for free values."""
-    if name == "press":
+    """The values a setting takes, for its help: the press registry's names, a registry the field names
+    (``json_schema_extra={"choices": fn}``), or a Literal's values (an Optional one's too); none for free
+    values."""
+    if name in ("press", "presses"):
         return tuple(nestedkv.PRESSES)
+    if isinstance(field.json_schema_extra, dict) and "choices" in field.json_schema_extra:
+        return tuple(field.json_schema_extra["choices"]())
     ann = field.annotation
     for a in (ann, *typing.get_args(ann)):
         if typing.get_origin(a) is typing.Literal:

@@ -138,3 +138,13 @@ def test_a_generated_option_reaches_the_benchmark(monkeypatch):
     result = CliRunner().invoke(app, ["bench", "rope", "--context", "2048", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert seen["kw"]["context"] == 2048 and seen["kw"]["seed"] == 3 and seen["kw"]["step"] == 512
+
+def test_help_lists_every_registered_task_and_variant():
+    from pipeline.suite.variants import VARIANTS
+    from pipeline.tasks import KNOWN
+
+    root = get_command(app)
+    params = {p.name: p for p in root.get_command(typer.Context(root), "suite").params}
+    assert all(t in params["tasks"].help for t in KNOWN)
+    ablation = {p.name: p for p in root.get_command(typer.Context(root), "ablation").params}
+    assert all(v in ablation["variants"].help for v in VARIANTS)

@@ -14,7 +14,12 @@ from pipeline import models
 from pipeline.config import DEFAULT_MODEL, REFERENCE_PRESS, BatchOptions, EngineOptions, RunConfig
 from pipeline.spec import PressGrid
 from pipeline.suite.variants import VARIANTS, variant_configs
-from pipeline.tasks import SIZES, TASKS, check_tasks, summary_documents
+from pipeline.tasks import KNOWN, SIZES, TASKS, check_tasks, summary_documents
+
+
+def nestedkv_variants() -> tuple[str, ...]:
+    """NestedKV's per-scale variants, by name (the ablation's choices)."""
+    return tuple(n for n, v in VARIANTS.items() if v[0] == "nestedkv")
 
 
 def methods() -> tuple[str, ...]:
@@ -54,7 +59,8 @@ class SuiteOptions(BaseModel):
     lengths: Optional[tuple[int, ...]] = Field(None, description="target context tokens, e.g. 2048,4096 "
                                                "(default: the size's)")
     per_task: Optional[int] = Field(None, description="documents per task and length (default: the size's)")
-    tasks: tuple[str, ...] = Field(TASKS, description="a subset of the tasks")
+    tasks: tuple[str, ...] = Field(TASKS, description="a subset of the tasks",
+                                   json_schema_extra={"choices": lambda: KNOWN})
     seed: int = Field(0, description="the documents' seed")
     # the press grid of the methods (streaming prefill runs each configuration's own prefill) and the
     # generation and engine settings: the same models as every batch command's
@@ -66,8 +72,8 @@ class SuiteOptions(BaseModel):
     austen: Optional[str] = Field(None, description="folder with the Austen .txt files")
     ablation: bool = Field(True, description="NestedKV's per-scale variants on the long documents, at the "
                            "headline ratios")
-    variants: Optional[tuple[str, ...]] = Field(None, description="a subset of those variants (default: all, "
-                                                "e.g. 'block only,window only post-RoPE')")
+    variants: Optional[tuple[str, ...]] = Field(None, description="a subset of those variants (default: all)",
+                                                json_schema_extra={"choices": nestedkv_variants})
     summaries: int = Field(0, ge=0, description="plain documents per long length whose compressed summaries "
                            "are compared with the uncompressed one")
     summary_tokens: int = Field(128, ge=1, description="tokens of a summary at most")
@@ -94,10 +100,9 @@ class SuiteOptions(BaseModel):
         if self.grid.budget:
             raise ValueError("budget: the suite compares ratios across lengths; give --compression-ratio")
         if self.variants is not None:
-            unknown = [v for v in self.variants if VARIANTS.get(v, ("",))[0] != "nestedkv"]
+            unknown = [v for v in self.variants if v not in nestedkv_variants()]
             if unknown:
-                raise ValueError(f"variants: unknown {unknown}; known: "
-                                 f"{', '.join(n for n, v in VARIANTS.items() if v[0] == 'nestedkv')}")
+                raise ValueError(f"variants: unknown {unknown}; known: {', '.join(nestedkv_variants())}")
         return self
 
     @property
@@ -131,7 +136,7 @@ class SuiteOptions(BaseModel):
         if not self.ablation:
             return {}
         ratios = [r for r in HEADLINE_RATIOS if r in self.ratios] or list(self.ratios)
-        names = [n for n, v in VARIANTS.items() if v[0] == "nestedkv"] if self.variants is None else \
+        names = list(nestedkv_variants()) if self.variants is None else \
             list(dict.fromkeys(["nestedkv", *self.variants]))  # the full method: what each variant is paired with
         got = variant_configs(self.base(), list(names), ratios)
         return {c: name for c, (name, _) in got.items() if not c.is_reference}
