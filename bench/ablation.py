@@ -21,7 +21,7 @@ from typing import Annotated, Callable, Optional, Sequence
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline import models
+from pipeline import models, tables
 from pipeline.config import DEFAULT_MODEL, RunConfig
 from pipeline.engine import EngineOptions, Hooks, run
 from pipeline.store import Store
@@ -111,14 +111,13 @@ def paired(per_q: dict, a: tuple, b: tuple, metric: str = CORRECT) -> tuple[int,
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = "| variant | ratio | questions | accuracy | agree exact | ROUGE-L | delta NLL | top-1 agree | gold kept |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
-    for r in rows:
-        lines.append(f"| {r['variant']} | {r['compression_ratio']:.2f} | {r['n']} | {f(r[CORRECT], '{:.3f}')} | "
-                     f"{f(r[AGREE_EXACT], '{:.3f}')} | {f(r[ROUGE_L], '{:.3f}')} | {f(r[DELTA_NLL], '{:+.3f}')} | "
-                     f"{f(r[TOP1], '{:.3f}')} | {f(r[GOLD_KEPT], '{:.3f}')} |")
-    return "\n".join(lines)
+    f = lambda v, fmt: None if v is None else fmt.format(v)  # noqa: E731
+    header = ["variant", "ratio", "questions", "accuracy", "agree exact", "ROUGE-L", "delta NLL", "top-1 agree",
+              "gold kept"]
+    cells = [[r["variant"], f"{r['compression_ratio']:.2f}", r["n"], f(r[CORRECT], "{:.3f}"),
+              f(r[AGREE_EXACT], "{:.3f}"), f(r[ROUGE_L], "{:.3f}"), f(r[DELTA_NLL], "{:+.3f}"), f(r[TOP1], "{:.3f}"),
+              f(r[GOLD_KEPT], "{:.3f}")] for r in rows]
+    return "\n".join(tables.markdown(header, cells, align=["l"] + ["r"] * 8))
 
 
 def summary_text(rows: list[dict], per_q: dict, ratios: list[float]) -> str:

@@ -25,6 +25,7 @@ from pydantic import Field
 
 import nestedkv
 from nestedkv.run_defaults import COMPRESSION_RATIO
+from pipeline import tables
 from pipeline.config import DEFAULT_MODEL, INT32_MAX, RunConfig
 from pipeline.engine import make_runner
 from pipeline.prompts import encode
@@ -112,10 +113,7 @@ def measure(model_ref: str, lengths: list[int], budget: int, ratio: float, chunk
 
 
 def to_markdown(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(tables.markdown_dicts(rows)) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:

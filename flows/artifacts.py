@@ -20,6 +20,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from pipeline import tables
 from pipeline.store import Store
 
 LAYER_COLUMNS = ("layer", "tokens_seen", "kept_min", "kept_max", "kept_mean", "kept_share", "saved_share",
@@ -72,13 +73,7 @@ def layer_rows(store: Store, run_id: str) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    if not rows:
-        return "_no rows_\n"
-    cols = list(rows[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join("" if r[c] is None else str(r[c]).replace("|", "\\|") for c in cols) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(tables.markdown_dicts(rows, missing="")) + "\n" if rows else "_no rows_\n"
 
 
 def publish_tables(flow_name: str, savings: list[dict], layers: list[dict], run_ids: list[str]) -> None:

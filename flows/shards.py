@@ -11,6 +11,11 @@ Re-submitting the same batch (same input, settings and shard count) asks for the
 flow run completed is not run again, a running one is waited for, a failed, crashed or cancelled one (or
 one whose process is gone: see ``stale``) gets a new attempt, and within a shard the store's resume skips
 the documents already done, so nothing is written twice.
+
+Why a loop of ours and not the flow's own ``retries``: Prefect retries a flow run that fails in its own
+process, not one that crashed or whose worker died (PrefectHQ/prefect#10211, open), and a process worker
+that goes down leaves its run "Running" (#16746): those are the cases this loop exists for. A shard's flow
+run still retries in place what fails inside it (``BatchOptions.retries``, the flow's task retries).
 """
 
 from __future__ import annotations

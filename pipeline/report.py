@@ -20,6 +20,7 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from nestedkv.press import PRESSES, NoPress
 from nestedkv.quant import KVQuant
+from pipeline import tables
 from pipeline.store import Store, StoreError
 
 
@@ -116,11 +117,8 @@ def display_table(rows: list[dict]) -> pa.Table:
 
 def markdown_table(rows: list[dict]) -> str:
     cols = _columns(rows)
-    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
-             "|" + "|".join("---" if k in ("press", "head_budget", "model") else "---:" for k, _, _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k), f) for k, _, f in cols) + " |")
-    return "\n".join(lines)
+    return "\n".join(tables.markdown([h for _, h, _ in cols], [[_fmt(r.get(k), f) for k, _, f in cols] for r in rows],
+                                     align=["l" if k in ("press", "head_budget", "model") else "r" for k, _, _ in cols]))
 
 
 def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
@@ -177,11 +175,11 @@ def frontier_markdown(rows: list[dict]) -> list[str]:
     lines = ["## Which configuration at each memory size", "",
              "Each row is the most accurate configuration within its resident KV memory per document: every "
              "configuration not listed answers no better with as much memory or more (`quality_vs_memory.png`).",
-             "", "| KV MiB/doc | configuration | ratio | accuracy | delta gold NLL |", "|---:|---|---:|---:|---:|"]
-    for r in best:
-        lines.append(f"| {r['resident_mib']:.2f} | {_label(r)} | {_fmt(r['compression_ratio'], '{:.2f}')} | "
-                     f"{r['accuracy']:.3f} | {_fmt(r.get('delta_gold_nll'), '{:+.3f}')} |")
-    return lines + [""]
+             ""]
+    cells = [[f"{r['resident_mib']:.2f}", _label(r), _fmt(r["compression_ratio"], "{:.2f}"), f"{r['accuracy']:.3f}",
+              _fmt(r.get("delta_gold_nll"), "{:+.3f}")] for r in best]
+    return lines + tables.markdown(["KV MiB/doc", "configuration", "ratio", "accuracy", "delta gold NLL"], cells,
+                                   align="rlrrr") + [""]
 
 
 def _se(p: float, n: int) -> float:

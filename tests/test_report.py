@@ -134,3 +134,11 @@ def test_cli_eval_then_report(tmp_path, monkeypatch):
         # a missing store is a one-line error, exit 2
         res = cli.invoke(app, ["report", "--db", str(tmp_path / "nope.duckdb"), "--out", str(out)])
         assert res.exit_code == 2 and "no such database" in " ".join(res.output.split())
+
+
+def test_the_table_writer_aligns_escapes_and_marks_missing_cells():
+    from pipeline.tables import markdown, markdown_dicts
+
+    lines = markdown(["name", "n"], [["a|b", 1], [None, 2]], align="lr")
+    assert lines == ["| name | n |", "|---|---:|", "| a\\|b | 1 |", "| - | 2 |"]
+    assert markdown_dicts([{"x": None, "y": 3}], missing="") == ["| x | y |", "|---|---|", "|  | 3 |"]

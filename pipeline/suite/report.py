@@ -12,6 +12,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
 
+from pipeline import tables
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
 from pipeline.metrics import COVERAGE, COVERAGE_METRICS, DELTA_NLL, ROUGE_L
@@ -41,8 +42,7 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return tables.markdown(header, rows)
 
 
 def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nll: Sequence[dict] = (),
