@@ -21,6 +21,7 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from nestedkv.press import PRESSES, NoPress
 from nestedkv.quant import KVQuant
 from pipeline import tables
+from pipeline.labels import config_label
 from pipeline.store import Store, StoreError
 
 
@@ -176,7 +177,7 @@ def frontier_markdown(rows: list[dict]) -> list[str]:
              "Each row is the most accurate configuration within its resident KV memory per document: every "
              "configuration not listed answers no better with as much memory or more (`quality_vs_memory.png`).",
              ""]
-    cells = [[f"{r['resident_mib']:.2f}", _label(r), _fmt(r["compression_ratio"], "{:.2f}"), f"{r['accuracy']:.3f}",
+    cells = [[f"{r['resident_mib']:.2f}", config_label(r), _fmt(r["compression_ratio"], "{:.2f}"), f"{r['accuracy']:.3f}",
               _fmt(r.get("delta_gold_nll"), "{:+.3f}")] for r in best]
     return lines + tables.markdown(["KV MiB/doc", "configuration", "ratio", "accuracy", "delta gold NLL"], cells,
                                    align="rlrrr") + [""]
@@ -190,9 +191,6 @@ def _num(v) -> float:
     return math.nan if v is None else float(v)
 
 
-def _label(row: dict) -> str:
-    bits = f" {kv_label(row, '-bit KV')}" if row.get("kv_bits") else ""
-    return (row["press"] if row["head_budget"] == "uniform" else f"{row['press']} ({row['head_budget']})") + bits
 
 
 def plot(rows: list[dict], path: Union[str, Path]) -> Path:
@@ -205,7 +203,7 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
     for r in rows:
         if r["press"] == "no_press" or r["budget"]:
             continue  # the reference is a horizontal line; absolute budgets have no ratio to plot against
-        lines.setdefault(f"{r['model']}: {_label(r)}" if multi else _label(r), []).append(r)
+        lines.setdefault(f"{r['model']}: {config_label(r)}" if multi else config_label(r), []).append(r)
     for name, pts in lines.items():
         pts = sorted(pts, key=lambda x: x["compression_ratio"])
         xs = [p["compression_ratio"] for p in pts]
@@ -222,9 +220,9 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
         if r["press"] == "no_press" and r["accuracy"] is not None:
             bits = r.get("kv_bits")
             line = {"color": "black", "linestyle": {None: ":", 8: "-."}.get(bits, "--"), "linewidth": 1.2}
-            ax_acc.axhline(r["accuracy"], **line, label=f"{_label(r)} ({r['accuracy']:.2f})")
+            ax_acc.axhline(r["accuracy"], **line, label=f"{config_label(r)} ({r['accuracy']:.2f})")
             if bits and r["delta_nll"] is not None:
-                ax_nll.axhline(r["delta_nll"], **line, label=f"{_label(r)} ({r['delta_nll']:+.2f})")
+                ax_nll.axhline(r["delta_nll"], **line, label=f"{config_label(r)} ({r['delta_nll']:+.2f})")
     ax_nll.axhline(0.0, color="black", linestyle=":", linewidth=1.2, label="no_press (0)")
     ax_acc.set(title="Answer accuracy (gold contained)", xlabel="compression ratio (fraction removed)",
                ylabel="accuracy", ylim=(-0.02, 1.02))
@@ -257,7 +255,7 @@ def plot_frontier(rows: list[dict], path: Union[str, Path]) -> Optional[Path]:
     multi = len({r["model"] for r in rows}) > 1
     lines: dict[str, list[dict]] = {}
     for r in pts:
-        lines.setdefault(f"{r['model']}: {_label(r)}" if multi else _label(r), []).append(r)
+        lines.setdefault(f"{r['model']}: {config_label(r)}" if multi else config_label(r), []).append(r)
     order = press_order()
     for name, group in lines.items():
         group = sorted(group, key=lambda x: x["resident_mib"])

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
+from pipeline.labels import config_label as label, press_label  # noqa: F401  (the suite's names)
 from pipeline.evaluate import contains_gold, coverage
 from pipeline.metrics import COVERAGE
 from pipeline.suite.options import HEADLINE_RATIOS, LONG_FROM, QUESTIONS_FILE
@@ -65,25 +66,6 @@ def score_coverage(store, docs: Sequence[dict]) -> int:
     if out:
         store.write_evaluations(out)
     return len(rows)
-
-
-def label(row: dict) -> str:
-    if row["press"] == "no_press":
-        return "no_press"
-    mode = " streaming" if row["prefill"] == "streaming" else ""
-    return f"{press_label(row['press'])} {row['head_budget']}{mode}{bits_label(row)}"
-
-
-def press_label(press: str) -> str:
-    """A press's name, marked when its compression read the questions: its rows stay apart from the
-    query-agnostic presses', which guess what any later question needs."""
-    cls = nestedkv.PRESSES.get(press)
-    return f"{press} (saw the questions)" if cls is not None and cls.needs_questions else press
-
-
-def bits_label(row: dict) -> str:
-    """The label suffix of a quantized configuration (" 4-bit", " 4-bit plain"); none for the model's dtype."""
-    return KVQuant.from_fields(row).label()
 
 
 def _mean(xs: Sequence[float]) -> float:
