@@ -17,9 +17,10 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 import nestedkv
-from nestedkv import compat
 from nestedkv.quant import FIELD_NAMES as QUANT_FIELDS, KVQuant, check_kv_bits
 from nestedkv.run_defaults import COMPRESSION_RATIO
+from pipeline import compat
+from pipeline.compat import HASHED_WHEN_SET
 from pipeline.sizes import parse_size
 from pipeline.metrics import HOOKED_METRICS
 from pipeline.paths import writable_folder
@@ -47,8 +48,6 @@ QA_INSTRUCTION = "Question: {question}\nAnswer with a short phrase copied from t
 # penalty over the last 64 generated tokens stops that. QA stays plain greedy unless asked.
 SUMMARY_REPETITION_PENALTY = 1.1
 REPETITION_CONTEXT = 64  # tokens the repetition penalty looks back over
-# A field added after runs were stored: left out of the hash while at its default, so those runs still resume.
-HASHED_WHEN_SET = {"hashed_when_set": True}
 MAX_DOC_TOKENS = 2**20
 CHARS_PER_TOKEN = 8  # twice prose's usual 3-5, so a document refused unread is over the limit in all likelihood
 
@@ -237,15 +236,7 @@ class RunConfig(GenerationSettings, PressSettings):
         return copy
 
     def canonical_json(self) -> str:
-        # Settings added since runs were stored hash as before while at their old values (nestedkv.compat).
-        before = {**compat.BEFORE, **{n: f.default for n, f in type(self).model_fields.items()
-                                      if (f.json_schema_extra or {}).get("hashed_when_set")}}
-        dump = compat.stored(self.model_dump(exclude={"long_docs"}), before)
-        # Runs stored before long_docs existed said truncate true/false: false refused what the default reads
-        # now, and those documents were never done, so the default hashes as false did and loses nothing.
-        dump["truncate"] = self.long_docs == "truncate"
-        if self.long_docs not in ("truncate", GenerationSettings.model_fields["long_docs"].default):
-            dump["long_docs"] = self.long_docs
+        dump = compat.hashed_settings(self)  # settings added since runs were stored hash as before
         dump["press_params"] = self.make_press().hashed_params(self.press_params)
         return json.dumps({**dump, "press_resolved": self.press_key()}, sort_keys=True, separators=(",", ":"))
 

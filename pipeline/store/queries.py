@@ -13,7 +13,7 @@ from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE_METRICS, DELTA_GOLD
 from pipeline.results import OK
 from pipeline.store import lake
 from pipeline.store.reads import Reads
-from pipeline.store.schema import DERIVED
+from pipeline.compat import DERIVED
 
 # Latest evaluation per (configuration, document, question, metric), then aggregated per configuration.
 QUALITY_SQL = f"""

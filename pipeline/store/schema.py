@@ -8,6 +8,7 @@ from collections import defaultdict
 import duckdb
 import pyarrow as pa
 
+from pipeline.compat import COLUMN_DEFAULTS, COPIED, DERIVED  # noqa: F401  (DERIVED: read by queries)
 from pipeline.store.errors import StoreError
 from pipeline.store.lake import is_locked
 from pipeline.store.views import VIEWS
@@ -16,21 +17,6 @@ from pipeline.store.views import VIEWS
 # in place by adding the missing columns (every change so far only adds columns and views).
 SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "completed", "failed", "interrupted")
-
-# Columns added since that need a value in old rows: every layer stored before hybrid models was full attention;
-# no press read the questions before question-aware presses.
-COLUMN_DEFAULTS = {("layer_memory", "kind"): "'full'", ("runs", "saw_questions"): "false"}
-# Columns added since whose old rows take another column's value: rows stored before the prefill cache kept
-# its seconds counted a prefill as computed.
-COPIED = {("outputs", "prefill_compute_s"): "prefill_s"}
-# Columns added after runs were stored, as their values follow from a run's config_json (``{r}``: the
-# runs table's alias): what a migration fills in, and what a read-only open of an unmigrated store reads.
-# The hash leaves the settings out at their old values (nestedkv.compat), hence the defaults here.
-DERIVED = {
-    "kv_group_size": "coalesce(TRY_CAST(json_extract_string({r}config_json, '$.kv_group_size') AS INTEGER), 64)",
-    "kv_hadamard": "({r}kv_bits IS NULL OR coalesce(json_extract_string({r}config_json, '$.kv_hadamard') = 'true', "
-                   "false))",
-}
 
 # (name, DuckDB type, Arrow type): one list per table drives both the DDL and the Arrow batches.
 _S = ("VARCHAR", pa.string())
