@@ -30,7 +30,7 @@ from pipeline.config import RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import coverage, gold_nll
 from pipeline.metrics import COVERAGE, COVERAGE_ENDS, COVERAGE_METRICS, COVERAGE_MIDDLE
-from pipeline.model_shape import model_info
+from pipeline.models.shape import model_info
 from pipeline.prompts import encode
 from pipeline.runner import Runner, prefill
 from pipeline.suite.scores import recall

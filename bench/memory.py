@@ -30,7 +30,7 @@ from pipeline.config import DEFAULT_MODEL, INT32_MAX, RunConfig
 from pipeline.engine import make_runner
 from pipeline.prompts import encode
 from pipeline.results import DocumentResult, QuestionResult
-from pipeline.window import PreparedDocument
+from pipeline.runner.window import PreparedDocument
 
 MIB = 2**20
 

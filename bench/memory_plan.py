@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from nestedkv.run_defaults import COMPRESSION_RATIO
-from pipeline import memory_plan
+from pipeline.runner import memory_plan
 from pipeline.config import DEFAULT_MODEL, EngineOptions, RunConfig
 from pipeline.documents import load_documents
 from pipeline.engine import make_runner, run

@@ -53,7 +53,7 @@ class DocumentResult:
     peak_kv_prefill_bytes: int = 0  # K/V buffers at their largest, all layers, while prefilling + compressing
     peak_kv_decode_bytes: int = 0  # the same while answering
     memory_plan: Optional[str] = None  # how the memory plan read it: whole, streaming, parts of N (tokens)
-    planned_peak_bytes: Optional[int] = None  # the plan's estimate of the peak (pipeline.memory_plan)
+    planned_peak_bytes: Optional[int] = None  # the plan's estimate of the peak (pipeline.runner.memory_plan)
     questions: list[QuestionResult] = field(default_factory=list)
     layers: list[LayerMemory] = field(default_factory=list)
     # The exception behind an error status (not stored): lets a caller decide to retry.

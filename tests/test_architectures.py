@@ -209,7 +209,7 @@ def test_hybrid_batch_decode_streaming_and_prefill_cache_answer_as_one_at_a_time
 def test_a_wrapper_model_reads_its_text_models_window(kind):
     """Gemma 3 4B and up, Qwen3.5 and Mistral 3 keep their language model's settings in ``text_config``:
     the window comes from there (it came back None, and documents past it were read as if none existed)."""
-    from pipeline.model_shape import model_info
+    from pipeline.models.shape import model_info
 
     model = make_arch_model(kind)
     text = model.language_model.args

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from pipeline import gguf_import, models
+from pipeline import models
+from pipeline.models import gguf_import
 from pipeline.models import ModelLoadError, load_model
 
 SRC = Path("synthetic.gguf")

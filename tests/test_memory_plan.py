@@ -4,11 +4,12 @@
 import mlx.core as mx
 import pytest
 
-from pipeline import engine, memory_plan
+from pipeline import engine
+from pipeline.runner import memory_plan
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
 from pipeline.engine import make_configs
-from pipeline.memory_plan import NoPlan, plan, shape_of
+from pipeline.runner.memory_plan import NoPlan, plan, shape_of
 from pipeline.sizes import parse_size
 from pipeline.store import Store
 from tiny import TINY_NAME, sample_docs, tiny_model, use_tiny_model, write_batch

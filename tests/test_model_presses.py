@@ -118,7 +118,7 @@ def test_refusals_are_one_line(tiny_model, tokens, name):
 def test_compression_seconds_include_the_reconstruction(tiny_model, tokens):
     from pipeline.results import DocumentResult
     from pipeline.runner import Runner  # noqa: F401  (the pipeline's compression path)
-    from pipeline.window import PreparedDocument
+    from pipeline.runner.window import PreparedDocument
 
     model, toks = tiny_model("llama"), tokens(N)
 

@@ -1,4 +1,4 @@
-"""pipeline.models and pipeline.gguf_import: tiny random models, GGUF conversion (tiny files written with
+"""pipeline.models and pipeline.models.gguf_import: tiny random models, GGUF conversion (tiny files written with
 llama.cpp's gguf package, and the real SmolLM2), the dtype policy, bad refs."""
 
 import json
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pipeline import gguf_import, models
-from pipeline.model_shape import model_info
+from pipeline import models
+from pipeline.models import gguf_import
+from pipeline.models.shape import model_info
 from pipeline.models import ModelLoadError, load_model
 from tiny import EOS, finish_gguf, gguf_name, llama_cpp_permute, make_tiny_model, save_tiny_gguf, tiny_model
 

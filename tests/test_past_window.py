@@ -14,7 +14,7 @@ from nestedkv import KeyDiffPress, NestedKVPress, StreamingLLMPress
 from nestedkv.rope import inverse
 from nestedkv.selection import select
 from nestedkv.streaming import StreamState
-from pipeline import map_reduce
+from pipeline.runner import map_reduce
 from pipeline.config import RunConfig
 from pipeline.documents import Document
 from pipeline.models import builtin_path, clear_loaded, load_model

@@ -9,7 +9,7 @@ from tiny import sample_docs, save_tiny_model_dir, write_batch
 import pipeline.engine as engine
 from pipeline.config import RunConfig
 from pipeline.engine import EngineOptions, make_configs
-from pipeline.prefill_cache import PrefillCache
+from pipeline.runner.prefill_cache import PrefillCache
 from pipeline.store import Store
 
 
@@ -83,7 +83,7 @@ def test_an_entry_stored_without_its_seconds_leaves_them_unknown(tmp_path, tiny_
 def test_a_batch_opens_its_prefill_cache_once_and_survives_its_removal(setup, monkeypatch):
     import shutil
 
-    from pipeline import prefill_cache
+    from pipeline.runner import prefill_cache
 
     tmp, base, batch, prefills = setup
     prefill_cache.open_cache.cache_clear()
@@ -165,7 +165,7 @@ def test_eviction_and_damage_touch_only_the_caches_own_files(tmp_path):
     (lambda tmp: __import__("pathlib").Path("/proc/nkv-cache"), "cannot write"),
 ])
 def test_an_unusable_folder_is_refused_before_anything_is_created(tmp_path, make, words):
-    from pipeline.prefill_cache import PrefillCacheError, check_folder
+    from pipeline.runner.prefill_cache import PrefillCacheError, check_folder
 
     path = make(tmp_path)
     with pytest.raises(PrefillCacheError, match=words):
@@ -175,7 +175,7 @@ def test_an_unusable_folder_is_refused_before_anything_is_created(tmp_path, make
 
 @pytest.mark.parametrize("gb", [float("inf"), float("nan"), 0.0, -1.0])
 def test_the_cap_is_a_positive_finite_size(gb):
-    from pipeline.prefill_cache import PrefillCacheError, check_cap
+    from pipeline.runner.prefill_cache import PrefillCacheError, check_cap
 
     with pytest.raises(PrefillCacheError):
         check_cap(gb)
@@ -197,7 +197,7 @@ def test_an_entry_loads_in_a_fresh_process(tmp_path, tiny_model, tokens):
     feed(model, cache, tokens(64), 32)
     key = "ab" * 32
     PrefillCache(str(tmp_path / "pc")).put(key, cache)
-    code = ("import sys; from pipeline.prefill_cache import PrefillCache; "
+    code = ("import sys; from pipeline.runner.prefill_cache import PrefillCache; "
             f"c = PrefillCache(sys.argv[1]).get({key!r}, 64); print(type(c[0]).__name__ if c else None)")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

@@ -29,13 +29,13 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from pipeline import models
 from pipeline.config import EngineOptions, RunConfig
-from pipeline.memory_plan import default_limit
+from pipeline.runner.memory_plan import default_limit
 from pipeline.sizes import parse_size
 from pipeline.documents import Document, RowError
 from pipeline.engine.document import (NO_HOOKS, Hooks, Outcome, Work, compute, error_result, finish,  # noqa: F401
                                       is_out_of_memory, prefill_full, process_document, process_documents)
 from pipeline.engine.plan import Plan, close_plan, done_documents, open_plan  # noqa: F401
-from pipeline.model_shape import model_info
+from pipeline.models.shape import model_info
 from pipeline.results import ERROR, OK
 from pipeline.runner import Runner
 from pipeline.spec import BatchSpec, check_configs, make_configs

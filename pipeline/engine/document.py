@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import mlx.core as mx
 
 import nestedkv
-from pipeline import map_reduce, models
+from pipeline import models
+from pipeline.runner import map_reduce
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import METRIC_HOOKS, Reference, evaluation_rows
-from pipeline.prefill_cache import open_cache
+from pipeline.runner.prefill_cache import open_cache
 from pipeline.results import TOO_LONG, DocumentResult
 from pipeline.runner import Entry
 from pipeline.spec import check_configs

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.config import CHARS_PER_TOKEN, RunConfig
-from pipeline.memory_plan import STREAMING, MemoryPlan
+from pipeline.runner.memory_plan import STREAMING, MemoryPlan
 
 
 class OverLimit(ValueError):
@@ -40,7 +40,7 @@ class PreparedDocument:
     # and the parts (each a PreparedDocument of its own).
     split_room: Optional[int] = None
     parts: list = field(default_factory=list)
-    memory: Optional[MemoryPlan] = None  # the way the memory plan chose (pipeline.memory_plan)
+    memory: Optional[MemoryPlan] = None  # the way the memory plan chose (pipeline.runner.memory_plan)
 
     @property
     def stream_to_fit(self) -> bool:

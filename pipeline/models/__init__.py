@@ -1,7 +1,7 @@
 """Model references -> a loaded mlx-lm (model, tokenizer).
 
 A reference is an mlx-lm directory, a Hugging Face repo id, a ``.gguf`` file, or a built-in name.
-GGUF files are converted once (``pipeline.gguf_import``) into an mlx-lm directory in a cache folder
+GGUF files are converted once (``pipeline.models.gguf_import``) into an mlx-lm directory in a cache folder
 keyed by the file's sha256; Q4_0/Q4_1/Q8_0 stay quantized losslessly (MLX affine) and the dtype policy
 is applied at load time, so one cached directory serves CPU (fp32) and Metal/GPU (quantized) alike.
 """
@@ -33,7 +33,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, dequantize_model
 
 from nestedkv._platform import MISSING_OPENBLAS, missing_openblas
 from nestedkv.cache import check_model
-from pipeline import gguf_import
+from pipeline.models import gguf_import
 from pipeline.errors import ModelLoadError
 from pipeline.paths import unwritable
 

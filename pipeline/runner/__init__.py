@@ -18,9 +18,9 @@ from pipeline.config import REPETITION_CONTEXT, RunConfig
 from pipeline.documents import Document
 from pipeline.evaluate import score_answer, score_logits
 from pipeline.prompts import build_prompt, encode, question_text, repeat_instruction
-from pipeline import map_reduce, memory_plan, window
+from pipeline.runner import map_reduce, memory_plan, window
 from pipeline.results import ERROR, OK, TOO_LONG, DocumentResult, QuestionResult
-from pipeline.window import PreparedDocument
+from pipeline.runner.window import PreparedDocument
 
 Progress = Callable[[int, int], None]
 
@@ -112,7 +112,7 @@ class Runner:
         return prepared
 
     def plan_memory(self, doc: Document, prepared: PreparedDocument) -> None:
-        """Choose how the document is read within ``memory_limit`` (``pipeline.memory_plan``): whole, streaming,
+        """Choose how the document is read within ``memory_limit`` (``pipeline.runner.memory_plan``): whole, streaming,
         or parts sized to fit; parts past the window are made smaller when one would not fit. Raises
         ``memory_plan.NoPlan`` (one line, before the prefill) when no way fits."""
         shape, chunk = self.memory_shape(), self.config.prefill_step_size
