@@ -6,7 +6,7 @@ the rows' per-press features, gathered with the cache's rows at each eviction. W
 beyond that is its ``stream_scorer`` (``press.stream_scorer``): ``StreamScorer`` remembers nothing and
 scores the stored keys with the press's own ``score`` (knorm, streaming_llm, random); ``AnchorScorer`` keeps
 the running sum of the unit keys of every token seen, evicted ones included (KeyDiff); NestedKV's adds its
-block and window cosines (``nestedkv.presses.nestedkv``).
+block and window cosines (``nestedkv.press.nestedkv``).
 
 A press with ``unrotate`` sees every key rotated back by its own position (``nestedkv.rope``): each chunk
 as it arrives (the anchors and cosines), and the stored rows, by their original positions, at each

@@ -7,7 +7,7 @@ import pytest
 
 from nestedkv import compress, make_cache
 from nestedkv.press import PRESSES, compared_methods, get_press
-from nestedkv.presses.lagkv import WINDOW_SCORE, LagKVPress, lagkv_scores
+from nestedkv.press.lagkv import WINDOW_SCORE, LagKVPress, lagkv_scores
 
 
 def reference(k: np.ndarray, lag: int, sink: int) -> np.ndarray:

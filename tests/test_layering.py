@@ -139,7 +139,7 @@ def test_every_product_package_is_shipped():
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     missing = {name for name in on_disk if not any(fnmatch.fnmatchcase(name, pat) for pat in find["include"])}
-    assert {"pipeline.store", "nestedkv.presses", "flows.cli"} <= on_disk and not missing, missing
+    assert {"pipeline.store", "nestedkv.press", "flows.cli"} <= on_disk and not missing, missing
 
 
 def test_benchmarks_live_in_bench_and_each_is_an_nkv_bench_command():

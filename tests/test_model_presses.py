@@ -11,7 +11,7 @@ import pytest
 import nestedkv
 from nestedkv import compress, layer_stats, make_cache
 from nestedkv.press import PRESSES, get_press
-from nestedkv.presses.kvzip import KVzipPress
+from nestedkv.press.kvzip import KVzipPress
 
 MODEL_PRESSES = [name for name, p in PRESSES.items() if p.needs_model]
 N = 200
@@ -199,7 +199,7 @@ def test_the_mean_rotation_is_the_rope_averaged_over_positions(spec):
 def test_expected_attention_reads_queries_without_their_rope_turning():
     # One query direction seen at many positions: rotated, it looks like a spread that the covariance would
     # reward in keys with large high-frequency parts; rotated back, it has no spread at all.
-    from nestedkv.presses.expected_attention import expected_attention_scores
+    from nestedkv.press.expected_attention import expected_attention_scores
     from nestedkv.rope import from_description, mean_rotation
 
     spec = {"dims": 16, "traditional": False, "base": 10000.0, "scale": 1.0}
@@ -268,7 +268,7 @@ class ChatBytes:
 
 
 def test_kvzip_repeats_each_chunk_in_the_assistants_turn(tiny_model, tokens, monkeypatch):
-    from nestedkv.presses import kvzip as kvzip_module
+    from nestedkv.press import kvzip as kvzip_module
     from pipeline.prompts import REPEAT_FIRST, REPEAT_RESUME, repeat_instruction
 
     model, toks = tiny_model("llama"), tokens(N)
@@ -297,7 +297,7 @@ def test_a_plain_token_list_is_the_instruction_before_every_chunk():
 
 
 def test_the_nestedkv_prior_is_the_mean_of_both_ranks(tiny_model, tokens):
-    from nestedkv.presses.kvzip import KVzipNestedPress, _ranks
+    from nestedkv.press.kvzip import KVzipNestedPress, _ranks
 
     model, toks = tiny_model("llama"), tokens(N)
     cache = _prefilled(model, toks, get_press("kvzip_nestedkv", compression_ratio=0.5))
@@ -319,7 +319,7 @@ def test_snapkv_reads_the_documents_questions_through_the_runner(monkeypatch, ta
     from pipeline.config import RunConfig
     from pipeline.documents import Document
     from pipeline.runner import Runner
-    from nestedkv.presses.snapkv import SnapKVPress
+    from nestedkv.press.snapkv import SnapKVPress
     from tiny import ByteTokenizer, make_tiny_model, sample_docs
 
     seen = []

@@ -258,7 +258,7 @@ def test_kvzip_scores_match_kvpress_over_several_chunks(tmp_path):
     and the query group. Before, only whole-document answers were compared, on contexts of one chunk."""
     from nestedkv import make_cache
     from nestedkv.probe import Instruction
-    from nestedkv.presses.kvzip import KVzipPress
+    from nestedkv.press.kvzip import KVzipPress
     from pipeline.models import load_model
 
     src = quantized_dir(tmp_path / "q4")
@@ -291,7 +291,7 @@ def test_expected_attention_scores_match_kvpress(tmp_path, use_covariance):
     scales each head's scores by one factor (the attention its sinks take), so each head is compared
     normalized: the order within a head, hence a uniform budget's choice, is the same."""
     from nestedkv import make_cache
-    from nestedkv.presses.expected_attention import ExpectedAttentionPress
+    from nestedkv.press.expected_attention import ExpectedAttentionPress
     from pipeline.models import load_model
 
     src = quantized_dir(tmp_path / "q4")
@@ -321,7 +321,7 @@ def test_snapkv_scores_match_kvpress(tmp_path):
     the same attention, the same pooling, the same mean over each KV head's query group."""
     import nestedkv
     from nestedkv import make_cache
-    from nestedkv.presses.snapkv import SnapKVPress
+    from nestedkv.press.snapkv import SnapKVPress
     from pipeline.models import load_model
 
     src = quantized_dir(tmp_path / "q4")

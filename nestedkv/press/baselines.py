@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from nestedkv import scoring
-from nestedkv.presses.base import SEED_MAX, BasePress, check, int_in
+from nestedkv.press.base import SEED_MAX, BasePress, check, int_in
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from nestedkv.presses.base import BasePress, check_ints
-from nestedkv.presses.nestedkv import NestedKVPress
+from nestedkv.press.base import BasePress, check_ints
+from nestedkv.press.nestedkv import NestedKVPress
 from nestedkv.probe import Instruction, peak_context_weights, probe
 from nestedkv.selection import N_SINK
 

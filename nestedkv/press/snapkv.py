@@ -16,7 +16,7 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from nestedkv.presses.base import BasePress, check_ints
+from nestedkv.press.base import BasePress, check_ints
 from nestedkv.probe import peak_context_weights, probe
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from nestedkv import scoring
-from nestedkv.presses.base import BasePress
+from nestedkv.press.base import BasePress
 from nestedkv.streaming import AnchorScorer
 
 

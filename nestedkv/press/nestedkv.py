@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from nestedkv import scoring
-from nestedkv.presses.base import INT32_MAX, BasePress, check, int_in, is_number
+from nestedkv.press.base import INT32_MAX, BasePress, check, int_in, is_number
 from nestedkv.streaming import AnchorScorer
 
 EPS = scoring.EPS

@@ -21,7 +21,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from nestedkv import scoring
-from nestedkv.presses.base import INT32_MAX, BasePress, check, int_in
+from nestedkv.press.base import INT32_MAX, BasePress, check, int_in
 
 LAG = 128  # the paper's partition size for its main results
 WINDOW_SCORE = 2.0  # above any softmax share (<= 1): sinks and the unreferenced window are kept first

@@ -18,7 +18,7 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
-from nestedkv.presses.base import BasePress, check, check_ints
+from nestedkv.press.base import BasePress, check, check_ints
 from nestedkv.probe import probe
 from nestedkv.rope import from_description, mean_rotation
 
