@@ -28,8 +28,9 @@ from nestedkv.press import get_press
 from pipeline import models  # models.load_model looked up at each call: tests stand a tiny model in for it
 from pipeline.config import RunConfig
 from pipeline.documents import Document
-from pipeline.evaluate import coverage, gold_nll
-from pipeline.metrics import COVERAGE, COVERAGE_ENDS, COVERAGE_METRICS, COVERAGE_MIDDLE
+from pipeline.evaluate import gold_nll, summary_coverage
+from pipeline.metrics import (COVERAGE, COVERAGE_ENDS, COVERAGE_METRICS, COVERAGE_MIDDLE, SOURCE, SOURCE_ENDS,
+                              SOURCE_MIDDLE)
 from pipeline.models.shape import model_info
 from pipeline.prompts import encode
 from pipeline.runner import Runner, prefill
@@ -65,7 +66,7 @@ def run(model_ref: str, lengths: Annotated[Sequence[int], Field(description="doc
     """``window``: treat the model's window as this many tokens (a smaller one than its own puts a weak
     model's lengths past it; the positions, memory and eviction then work as they would past the real one).
     ``task``: qa (needles in the middle, recall) or summarize (the suite's summary documents with planted
-    events, coverage overall, in the middle and at the ends: ``evaluate.coverage``). ``max_new_tokens``: by
+    events, coverage overall, in the middle and at the ends: ``evaluate.summary_coverage``). ``max_new_tokens``: by
     default the task's ``NEW_TOKENS``."""
     if task not in NEW_TOKENS:
         raise ValueError(f"task must be qa or summarize, got {task!r}")
@@ -86,7 +87,7 @@ def run(model_ref: str, lengths: Annotated[Sequence[int], Field(description="doc
             res = runner.run(doc)
             wall = time.perf_counter() - t0
             if task == "summarize":
-                got = coverage(res.questions[0].output, d["parts"], d["depths"]) \
+                got = summary_coverage(res.questions[0].output, d) \
                     if res.questions and res.questions[0].status == "ok" else {}
                 rows.append({**summary_row(d, label, res, wall), **{k: [v] for k, v in got.items()},
                              "recall": []})
@@ -103,7 +104,8 @@ def run(model_ref: str, lengths: Annotated[Sequence[int], Field(description="doc
                 f"{sum(scores) / len(scores) if scores else float('nan'):.2f}, {wall:.0f} s")
     table = summarize(rows)
     for r in table:
-        quality = (f"coverage {r[COVERAGE]:.3f} middle {r[COVERAGE_MIDDLE]:.3f} ends {r[COVERAGE_ENDS]:.3f} "
+        quality = (f"coverage {r[COVERAGE]:.3f} middle {r[COVERAGE_MIDDLE]:.3f} ends {r[COVERAGE_ENDS]:.3f}, "
+                   f"source words {r[SOURCE]:.3f} middle {r[SOURCE_MIDDLE]:.3f} ends {r[SOURCE_ENDS]:.3f} "
                    f"({r['documents']} documents)") if task == "summarize" else \
             f"recall {r['recall']:.3f} ({r['questions']} questions)  gold NLL {r['gold_nll']:.3f}"
         log(f"{r['length']:>7} {r['way']:<22} {quality}  {r['wall_s']:.0f} s/doc  prefill "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
+from collections import Counter
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
@@ -41,7 +42,7 @@ import nestedkv
 from nestedkv.cache import full_layers, layer_press
 from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE, COVERAGE_ENDS, COVERAGE_MIDDLE,  # noqa: F401
                               DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS, GOLD_NLL, METRICS, MIDDLE,
-                              REFERENCE_METRICS, ROUGE_L, TOP1)
+                              REFERENCE_METRICS, ROUGE_L, SOURCE, SOURCE_ENDS, SOURCE_MIDDLE, TOP1)
 from pipeline.prompts import encode
 from pipeline.results import TOO_LONG
 
@@ -102,6 +103,44 @@ def coverage(summary: Optional[str], parts: Sequence[Sequence[str]], depths: Seq
 
     return {COVERAGE: share(lambda i: True), COVERAGE_MIDDLE: share(lambda i: i),
             COVERAGE_ENDS: share(lambda i: not i)}
+
+
+def summary_coverage(summary: Optional[str], doc: dict) -> dict:
+    """Both measures for a summary of a suite summary document (``tasks.summary_documents``): the planted
+    events it names (``coverage``) and where it draws its words from (``source_coverage``; a middle cut's
+    summary against the whole document it was cut from, so that the middle it never saw counts)."""
+    return {**coverage(summary, doc["parts"], doc["depths"]),
+            **source_coverage(summary, doc.get("whole_text") or doc["text"])}
+
+
+BANDS = 10  # tenths of a document: four of them make the middle 30-70%
+_WORD = re.compile(r"[^\W\d_]{4,}")  # letters only, four or more: names and content words, few function words
+
+
+def band_words(text: str, bands: int = BANDS) -> list[set[str]]:
+    """Each of ``bands`` equal shares of ``text`` (by characters, a word in the share its first letter is in):
+    the words, lower-cased, that occur in it and in no other share."""
+    per: list[set[str]] = [set() for _ in range(bands)]
+    for m in _WORD.finditer(text):
+        per[min(bands - 1, m.start() * bands // max(len(text), 1))].add(m.group().lower())
+    seen = Counter(w for own in per for w in own)
+    return [{w for w in own if seen[w] == 1} for own in per]
+
+
+def source_coverage(summary: Optional[str], text: str, middle: tuple[float, float] = MIDDLE,
+                    bands: int = BANDS) -> dict:
+    """Where a summary draws from: the share of the document's tenths (``band_words``) whose own words the
+    summary uses, over all tenths, those in ``middle`` and the others (a tenth with no word of its own is
+    left out; NaN where a group has none). No plant needed: any document, the summary's own words."""
+    said = {w.lower() for w in _WORD.findall(summary or "")}
+    own = band_words(text, bands)
+    inside = [middle[0] <= (i + 0.5) / bands < middle[1] for i in range(bands)]
+
+    def share(pick) -> float:
+        xs = [bool(said & words) for words, i in zip(own, inside) if words and pick(i)]
+        return sum(xs) / len(xs) if xs else math.nan
+
+    return {SOURCE: share(lambda i: True), SOURCE_MIDDLE: share(lambda i: i), SOURCE_ENDS: share(lambda i: not i)}
 
 
 # -- logits ---------------------------------------------------------------------------------------------

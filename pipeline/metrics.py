@@ -9,6 +9,9 @@ REFERENCE_METRICS = (AGREE_EXACT, ROUGE_L, DELTA_NLL, TOP1, DELTA_GOLD_NLL)  # s
 # Summaries of documents with planted events (``pipeline.tasks.summary_documents``): the share they name, over
 # all events, those in the middle 30-70% and those outside it. Scored against the plant: reference_run_id NULL.
 COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS = "coverage", "coverage_middle", "coverage_ends"
-COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS)
+# The same summaries against the document's own words: each tenth of the text has words found in no other tenth,
+# and a tenth counts as covered when the summary uses one of them (``evaluate.source_coverage``).
+SOURCE, SOURCE_MIDDLE, SOURCE_ENDS = "source_coverage", "source_middle", "source_ends"
+COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS, SOURCE, SOURCE_MIDDLE, SOURCE_ENDS)
 MIDDLE = (0.3, 0.7)  # a document's middle, as shares of its text before a point (coverage, middle cuts)
 HOOKED_METRICS = (GOLD_KEPT,)  # computed only when a run asks (--metrics): pipeline.evaluate.METRIC_HOOKS

@@ -98,6 +98,31 @@ def test_coverage_counts_the_events_a_summary_names_by_depth():
     assert math.isnan(coverage("x", parts[:1], depths[:1])["coverage_middle"])
 
 
+def test_source_coverage_counts_the_tenths_a_summary_draws_words_from():
+    from pipeline.evaluate import band_words, source_coverage
+
+    # ten equal tenths, each with a word of its own and a word every tenth shares
+    text = " ".join(f"common {w}" for w in ("alpha", "bravo", "charlie", "delta", "echoes", "foxtrot", "golfer",
+                                             "hotel", "india", "juliet"))
+    own = band_words(text)
+    assert [len(o) for o in own] == [1] * 10 and all("common" not in o for o in own)
+    assert source_coverage("Alpha met Juliet; common ground.", text) == \
+        {"source_coverage": 0.2, "source_middle": 0.0, "source_ends": 2 / 6}
+    # delta, echoes, foxtrot, golfer: the middle 30-70%
+    assert source_coverage("delta foxtrot", text)["source_middle"] == 0.5
+    assert math.isnan(source_coverage("x", "")["source_coverage"])
+
+
+def test_a_middle_cuts_summary_is_scored_against_the_whole_document():
+    from pipeline.evaluate import band_words, summary_coverage
+
+    words = lambda text: len(text.split())  # noqa: E731
+    whole, cut = tasks.summary_documents(words, (2048,), per_length=1, seed=3, middle_cut=True)
+    middle_word = sorted(set().union(*band_words(whole["text"])[4:6]))[0]  # a word of the 40-60% alone
+    assert middle_word not in cut["text"].lower()
+    assert summary_coverage(middle_word, cut)["source_middle"] > 0 == summary_coverage("", cut)["source_middle"]
+
+
 def test_needles_are_present_once_and_answer_their_question(docs):
     for d in docs:
         if d["task"] not in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):

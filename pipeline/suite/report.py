@@ -15,7 +15,7 @@ from matplotlib.figure import Figure  # no pyplot: no global backend state, rend
 from pipeline import tables
 from pipeline.documents import sha256_hex
 from pipeline.evaluate import DELTA_GOLD_NLL
-from pipeline.metrics import COVERAGE, COVERAGE_METRICS, DELTA_NLL, ROUGE_L
+from pipeline.metrics import COVERAGE, COVERAGE_METRICS, DELTA_NLL, ROUGE_L, SOURCE
 from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SUMMARY_FILE, SuiteOptions, SuiteResult
 import nestedkv
 from nestedkv.quant import KVQuant
@@ -158,18 +158,20 @@ def summary_table(store, opts: SuiteOptions, docs: Sequence[dict]) -> list[str]:
                           _fmt(mib.get((n, h), math.nan), 1) if task == "summary" else "-"])
     lines = ["## Summaries: what the planted events kept, and agreement with the uncompressed summary", "",
              f"Documents: {len(whole)}, each with planted events (a person and a town met nowhere else, one in "
-             f"each sixth of the text); max_new_tokens {opts.summary_tokens}. Coverage: the share of events whose "
-             "person or town the summary names. A middle cut is the same document without its middle 30-70%, "
-             "summarized uncompressed: what a lost middle scores. Compress / prefill: compression's seconds over the "
-             "uncompressed prefill's. KV: resident MiB per document.", ""]
-    lines += _table(["configuration", "r", "length", "documents", "coverage", "middle", "ends", "ROUGE-L",
-                     "delta NLL", "compress / prefill", "KV MiB"], table) + [""]
+             f"each sixth of the text); max_new_tokens {opts.summary_tokens}. Events: the share of events whose "
+             "person or town the summary names, overall, in the middle 30-70% and at the ends. Source: the share "
+             "of the document's tenths whose own words (found in no other tenth) the summary uses, the same way. "
+             "A middle cut is the same document without its middle 30-70%, summarized uncompressed (its source "
+             "scored against the whole document): what a lost middle scores. Compress / prefill: compression's "
+             "seconds over the uncompressed prefill's. KV: resident MiB per document.", ""]
+    lines += _table(["configuration", "r", "length", "documents", "events", "middle", "ends", "source", "middle",
+                     "ends", "ROUGE-L", "delta NLL", "compress / prefill", "KV MiB"], table) + [""]
     return lines + summary_pairs(scores, {("summary", n) for n in doc_length.values()})
 
 
 def summary_pairs(scores: Sequence[dict], cells: set) -> list[str]:
-    """NestedKV against each other press per ratio and budget mode, per document: coverage (higher is
-    better) and delta NLL of the uncompressed summary (lower is better)."""
+    """NestedKV against each other press per ratio and budget mode, per document: the two coverages (higher
+    is better) and delta NLL of the uncompressed summary (lower is better)."""
     nkv = [s for s in scores if s["press"] == "nestedkv"]
     modes = sorted({(s["compression_ratio"], s["head_budget"], s["prefill"]) for s in nkv})
     out = []
@@ -177,19 +179,17 @@ def summary_pairs(scores: Sequence[dict], cells: set) -> list[str]:
         for r, budget, prefill in modes:
             a = {"press": "nestedkv", "compression_ratio": r, "head_budget": budget, "prefill": prefill}
             b = {**a, "press": rival}
-            cov = paired([s for s in scores if s["metric"] == COVERAGE], a, b, cells)
-            nll = paired([s for s in scores if s["metric"] == DELTA_NLL], a, b, cells, lower_is_better=True)
-            if cov["n"] or nll["n"]:
-                out.append([press_label(rival), f"{r:g}", budget, prefill, max(cov["n"], nll["n"]),
-                            f"{cov['better']}/{cov['worse']}/{cov['same']}, {cov['mean_diff']:+.3f} +- "
-                            f"{_fmt(cov['se'], 3)}",
-                            f"{nll['better']}/{nll['worse']}/{nll['same']}, {nll['mean_diff']:+.3f} +- "
-                            f"{_fmt(nll['se'], 3)}"])
+            got = [paired([s for s in scores if s["metric"] == m], a, b, cells, lower_is_better=m == DELTA_NLL)
+                   for m in (COVERAGE, SOURCE, DELTA_NLL)]
+            if any(p["n"] for p in got):
+                out.append([press_label(rival), f"{r:g}", budget, prefill, max(p["n"] for p in got),
+                            *(f"{p['better']}/{p['worse']}/{p['same']}, {p['mean_diff']:+.3f} +- {_fmt(p['se'], 3)}"
+                              for p in got)])
     if not out:
         return []
     return ["NestedKV paired with each other press, per document (better/worse/same, mean of NestedKV - other "
             "+- SE; delta NLL: lower is better):", ""] + \
-        _table(["against", "r", "head budget", "prefill", "documents", "coverage", "delta NLL"], out) + [""]
+        _table(["against", "r", "head budget", "prefill", "documents", "events", "source", "delta NLL"], out) + [""]
 
 
 def resident_mib(store, hashes: Sequence[str], docs: Sequence[str], doc_length: dict) -> dict:

@@ -15,7 +15,7 @@ import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
 from pipeline.labels import config_label as label, press_label  # noqa: F401  (the suite's names)
-from pipeline.evaluate import contains_gold, coverage
+from pipeline.evaluate import contains_gold, summary_coverage
 from pipeline.metrics import COVERAGE
 from pipeline.suite.options import HEADLINE_RATIOS, LONG_FROM, QUESTIONS_FILE
 from pipeline.tasks import TASKS
@@ -53,14 +53,15 @@ def score(store) -> int:
 
 
 def score_coverage(store, docs: Sequence[dict]) -> int:
-    """Write the coverage rows (``evaluate.coverage``: the planted events a summary names, overall, in the
-    middle, at the ends) of every ok summary of these documents that has none yet; returns how many."""
+    """Write the coverage rows (``evaluate.summary_coverage``: the planted events a summary names and the
+    document's tenths it draws words from, overall, in the middle, at the ends) of every ok summary of these
+    documents that has none yet; returns how many."""
     plants = {sha256_hex(d["text"]): d for d in docs if d.get("parts")}
     rows = store.unscored_outputs(list(plants), COVERAGE)
     out = []
     for r in rows:
         d = plants[r["content_sha256"]]
-        for metric, value in coverage(r["output"], d["parts"], d["depths"]).items():
+        for metric, value in summary_coverage(r["output"], d).items():
             out.append({"run_id": r["run_id"], "doc_id": r["doc_id"], "question_idx": r["question_idx"],
                         "metric": metric, "value": value, "reference_run_id": None})
     if out:

@@ -172,7 +172,8 @@ def summary_documents(count: TokenCounter, lengths: Sequence[int], per_length: i
             if middle_cut:
                 cut = cut_middle(text)
                 rows.append({**row, "doc_id": row["doc_id"] + "-cut", "title": row["title"] + ", middle cut",
-                             "text": cut, "task": "summary_cut", "n_tokens": count(cut)})
+                             "text": cut, "task": "summary_cut", "n_tokens": count(cut),
+                             "whole_text": text})  # in memory only: what its summary's coverage is scored against
     return rows
 
 
