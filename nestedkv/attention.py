@@ -252,6 +252,12 @@ def head_rows_attention(queries, keys: HeadRows, values: HeadRows, scale, sinks=
     if sinks is not None or Hq * L * T > ONE_CALL_SCORES:
         return per_head_attention(queries, keys.views(), values.views(), scale, "causal" if L > 1 else None,
                                   sinks, cache=cache)
+    if L == 1 and not isinstance(keys.flat, tuple):
+        # A decode step: each head's region gathered to the longest (two takes), so each query head scores
+        # its own KV head's rows (Hq x M) and not every head's (Hq x T, masked).
+        rows, own = keys.layout.padded_slots(Hq, keys.tail)
+        k, v = (mx.take(x[0, 0], rows, axis=0)[None] for x in (keys.flat, values.flat))
+        return _attend(queries, k, v, cache, scale, own)
     mask = keys.mask(Hq, L)
     out = _attend(queries.reshape(B, 1, Hq * L, D), keys.flat, values.flat, cache, scale, mask[None, None])
     return out.reshape(B, Hq, L, out.shape[-1])

@@ -162,7 +162,7 @@ class PerHead:
 
     def _changed(self) -> None:
         """The regions moved or their context grew: what is made from them is made again when next asked."""
-        self._masks, self._first = {}, None
+        self._masks, self._first, self._padded = {}, None, None
 
     @property
     def head_rows(self) -> list[int]:
@@ -187,6 +187,22 @@ class PerHead:
             self._masks = {key: (head[None] == q_head[:, None], pos)}
             mx.eval(self._masks[key])
         return self._masks[key]
+
+    def padded_slots(self, n_q_heads: int, tail: int) -> tuple[mx.array, mx.array]:
+        """For a decode step over each KV head's region gathered to the largest region's length M: ``[H, M]``
+        the flat row of each slot (past a region's end its last row again) and ``[1, Hq, 1, M]`` whether a
+        slot is one of its head's rows (context, then ``tail`` appended). The rows, once per region layout;
+        the mask, per step."""
+        if self._padded is None:
+            M = max(self._cap)
+            slot = mx.arange(M, dtype=mx.int32)
+            cap = mx.array(self._cap, dtype=mx.int32)
+            rows = self.device_starts[:, None] + mx.minimum(slot[None], cap[:, None] - 1)
+            self._padded = (rows, slot)
+            mx.eval(self._padded)
+        rows, slot = self._padded
+        own = slot[None] < (self.device_rows + tail)[:, None]
+        return rows, mx.repeat(own, n_q_heads // len(self._rows), axis=0)[None, :, None]
 
     @classmethod
     def from_heads(cls, keys: list, values: list, rows: list[int]) -> "PerHead":

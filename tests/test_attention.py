@@ -267,6 +267,28 @@ def test_adaptive_decode_is_one_attention_call_per_layer(tiny_model, tokens, mon
     np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_adaptive_decode_gathers_each_heads_rows_over_many_steps(tiny_model, tokens, monkeypatch, fast_path):
+    """A decode step gathers each KV head's region to the longest (one attention call): over 70 steps, past a
+    region's growth, its logits stay those of one call per KV head, on Metal's path and the CPU's."""
+    from nestedkv import _platform
+
+    monkeypatch.setitem(_platform._state, "fast_path", fast_path)
+    model = tiny_model("llama", n_layers=2)
+    cache = make_cache(model, NestedKVPress(compression_ratio=0.75, head_budget="adaptive"))
+    model(tokens(300)[None], cache=cache)
+    compress(cache)
+    assert len(set(cache[0].layout.head_cap)) > 1  # regions of different lengths: padding to gather
+    looped, one_call = clone(cache), nkv_attention.ONE_CALL_SCORES
+    for i in range(70):
+        step = tokens(1, seed=100 + i)[None]
+        one = model(step, cache=cache)
+        monkeypatch.setattr(nkv_attention, "ONE_CALL_SCORES", 0)  # one call per KV head
+        per_head = model(step, cache=looped)
+        monkeypatch.setattr(nkv_attention, "ONE_CALL_SCORES", one_call)
+        np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
+
+
 def test_row_blocks_keep_attention_sinks(monkeypatch):
     """Models with attention sinks keep mlx's attention in each block (the CPU softmax has no sink term)."""
     q, k, v = _random_attention_inputs(1, 4, 2, 64, 64, seed=9)
