@@ -21,7 +21,8 @@ def bits_label(row: dict) -> str:
 
 
 def config_label(row: dict) -> str:
-    """``press head_budget[ streaming][ 4-bit]`` for a stored configuration's row; ``no_press`` alone."""
+    """``press head_budget[ streaming][ 4-bit]`` for a stored configuration's row; ``no_press[ 4-bit]`` for the
+    reference (one per KV width)."""
     if row["press"] == REFERENCE_PRESS:
         return REFERENCE_PRESS + bits_label(row)
     mode = " streaming" if row.get("prefill") == "streaming" else ""

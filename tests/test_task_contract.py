@@ -59,3 +59,11 @@ def test_the_suite_runs_the_suite_tasks_in_rank_order():
     assert ranks == sorted(ranks) and set(tasks.TASKS) <= set(tasks.KNOWN)
     with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
         tasks.check_tasks(["niah_single", "nope"])
+
+
+def test_the_suite_calibrates_any_registered_task_in_rank_order():
+    """A task outside the suite's default set (niah_middle) may still be asked for: the suite orders it by rank."""
+    from pipeline.suite.scores import calibration
+
+    rows = [{"press": "no_press", "task": t, "length": 1024, "value": 1.0} for t in ("niah_middle", "niah_single")]
+    assert [c["task"] for c in calibration(rows, 0.5)] == ["niah_single", "niah_middle"]

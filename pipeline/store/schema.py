@@ -8,7 +8,7 @@ from collections import defaultdict
 import duckdb
 import pyarrow as pa
 
-from pipeline.compat import COLUMN_DEFAULTS, COPIED, DERIVED  # noqa: F401  (DERIVED: read by queries)
+from pipeline.compat import COLUMN_DEFAULTS, COPIED, DERIVED
 from pipeline.store.errors import StoreError
 from pipeline.store.lake import is_locked
 from pipeline.store.views import VIEWS

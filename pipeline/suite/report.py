@@ -20,7 +20,7 @@ from pipeline.suite.options import MARKDOWN_NAME, PLOT_NAME, SUITE_FILE, SUMMARY
 import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.suite.scores import RECALL, _mean, calibration, headline, label, paired, press_label, rivals
-from pipeline.tasks import TASKS, length_label
+from pipeline.tasks import KNOWN, length_label
 
 def _rank(press: str) -> int:
     """A press's place in the tables: the registry's order."""
@@ -61,7 +61,7 @@ def accuracy_tables(scores: Sequence[dict], calib: Sequence[dict], mib: dict, nl
         by[(s["length"], s["config_hash"])].append(s)
     lines = []
     for length in sorted({s["length"] for s in scores}):
-        tasks = [t for t in TASKS if any(s["task"] == t and s["length"] == length for s in scores)]
+        tasks = [t for t in KNOWN if any(s["task"] == t and s["length"] == length for s in scores)]
         full = _mean([s["value"] for s in scores if s["length"] == length and s["press"] == "no_press"
                       and (s["task"], s["length"]) in ok])
         rows = []

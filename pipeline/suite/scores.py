@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import nestedkv
 from nestedkv.quant import KVQuant
 from pipeline.documents import sha256_hex
-from pipeline.labels import config_label as label, press_label  # noqa: F401  (the suite's names)
 from pipeline.evaluate import contains_gold, summary_coverage
+from pipeline.labels import config_label as label, press_label  # noqa: F401  (the suite's names)
 from pipeline.metrics import COVERAGE
 from pipeline.suite.options import HEADLINE_RATIOS, LONG_FROM, QUESTIONS_FILE
-from pipeline.tasks import TASKS
+from pipeline.tasks import KNOWN
 
 RECALL = "recall"
 
@@ -80,7 +80,7 @@ def calibration(scores: Sequence[dict], threshold: float) -> list[dict]:
         if s["press"] == "no_press":
             cells[(s["task"], s["length"])].append(s["value"])
     out = []
-    for (task, length), vals in sorted(cells.items(), key=lambda kv: (kv[0][1], TASKS.index(kv[0][0]))):
+    for (task, length), vals in sorted(cells.items(), key=lambda kv: (kv[0][1], KNOWN.index(kv[0][0]))):
         acc = _mean(vals)
         out.append({"task": task, "length": length, "n": len(vals), "accuracy": acc, "headline": acc >= threshold})
     return out
