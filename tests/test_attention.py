@@ -267,13 +267,12 @@ def test_adaptive_decode_is_one_attention_call_per_layer(tiny_model, tokens, mon
     np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fast_path", [False, True])
-def test_adaptive_decode_gathers_each_heads_rows_over_many_steps(tiny_model, tokens, monkeypatch, fast_path):
-    """A decode step gathers each KV head's region to the longest (one attention call): over 70 steps, past a
-    region's growth, its logits stay those of one call per KV head, on Metal's path and the CPU's."""
+def test_adaptive_decode_gathers_each_heads_rows_over_many_steps(tiny_model, tokens, monkeypatch):
+    """A decode step on Metal's path gathers each KV head's region to the longest (one attention call): over 70
+    steps, past a region's growth, its logits stay those of one call per KV head."""
     from nestedkv import _platform
 
-    monkeypatch.setitem(_platform._state, "fast_path", fast_path)
+    monkeypatch.setitem(_platform._state, "fast_path", False)
     model = tiny_model("llama", n_layers=2)
     cache = make_cache(model, NestedKVPress(compression_ratio=0.75, head_budget="adaptive"))
     model(tokens(300)[None], cache=cache)
@@ -287,6 +286,32 @@ def test_adaptive_decode_gathers_each_heads_rows_over_many_steps(tiny_model, tok
         per_head = model(step, cache=looped)
         monkeypatch.setattr(nkv_attention, "ONE_CALL_SCORES", one_call)
         np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_decode_on_the_cpu_attends_each_heads_rows_in_place(tiny_model, tokens, monkeypatch):
+    """On the CPU fast path a decode step attends each KV head's rows where they lie (one call per KV head, no
+    gather), and its logits are those of Metal's path's one gathered call."""
+    from nestedkv import _platform
+
+    model = tiny_model("llama", n_layers=2)
+    cache = make_cache(model, NestedKVPress(compression_ratio=0.75, head_budget="adaptive"))
+    model(tokens(300)[None], cache=cache)
+    compress(cache)
+    gathered = clone(cache)
+    monkeypatch.setitem(_platform._state, "fast_path", True)
+    calls, real = [], nkv_attention._attend
+    monkeypatch.setattr(nkv_attention, "_attend", lambda *a, **k: (calls.append(a[1].shape[1]), real(*a, **k))[1])
+    take = mx.take
+    monkeypatch.setattr(mx, "take", lambda *a, **k: pytest.fail("a CPU decode step gathered rows"))
+    step = tokens(1, seed=3)[None]
+    in_place = model(step, cache=cache)
+    monkeypatch.setattr(mx, "take", take)
+    heads = cache[0].layout.batch_heads[1]
+    assert calls == [1] * (heads * len(model.layers))  # each call one KV head's rows
+    monkeypatch.setitem(_platform._state, "fast_path", False)
+    calls.clear()
+    np.testing.assert_allclose(np.array(in_place), np.array(model(step, cache=gathered)), atol=1e-5, rtol=1e-5)
+    assert len(calls) == len(model.layers)
 
 
 def test_row_blocks_keep_attention_sinks(monkeypatch):
