@@ -21,6 +21,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from nestedkv import _cpu
 from nestedkv import buffers as buf
 
 
@@ -244,6 +245,14 @@ class PerHead:
             self.flat_keys = buf.cat([x for k in ks for x in (k, zk)])
             self.flat_values = buf.cat([x for v in vs for x in (v, zv)])
             self.head_cap = [buf.parts(k)[0].shape[2] + extra for k in ks]
+        if n == 1 and _cpu.fast():
+            # The CPU's scatter copies the whole buffer (4.8 against 1.8 ms a step over 60 buffers of 4k rows):
+            # a slice update per head writes in place.
+            for h, (s, r) in enumerate(zip(self.starts, self._rows)):
+                at = (Ellipsis, slice(s + r + tail, s + r + tail + 1), slice(None))
+                buf.put(self.flat_keys, at, buf.map_parts(lambda x: x[:, h : h + 1], keys))
+                buf.put(self.flat_values, at, buf.map_parts(lambda x: x[:, h : h + 1], values))
+            return
         # Each head's next free rows, head-major like the reshape below (built on the device, not in Python).
         if self._first is None:
             self._first = self.device_starts + self.device_rows  # each head's first appended row
