@@ -72,6 +72,14 @@ def layer_rows(store: Store, run_id: str) -> list[dict]:
     return [{k: _plain(v) for k, v in r.items()} for r in store.layer_savings(run_id, LAYER_COLUMNS)]
 
 
+def quality_rows(store: Store, summary) -> list[dict]:
+    """The batch's evaluation means (``pipeline.report.batch_quality``), as artifacts hold numbers."""
+    from pipeline.report import batch_quality  # matplotlib: only for an evaluated batch
+
+    hashes = {c.config_hash() for c, _ in summary.runs}
+    return [{k: _plain(v) for k, v in r.items()} for r in batch_quality(store, hashes)]
+
+
 def markdown_table(rows: list[dict]) -> str:
     return "\n".join(tables.markdown_dicts(rows, missing="")) + "\n" if rows else "_no rows_\n"
 

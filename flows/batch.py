@@ -96,8 +96,10 @@ def run_flow(flow_name: str, spec: BatchSpec, hooks: Optional[Hooks]) -> Summary
 
         summary = engine.run_batch(store, plan, hooks=hooks, each=each)
         layers = artifacts.layer_rows(store, summary.run_ids[-1]) if summary.run_ids else []
+        quality = artifacts.quality_rows(store, summary) if spec.evaluate else []
     artifacts.publish_tables(flow_name, summary.savings, layers, summary.run_ids)
-    artifacts.publish_report(flow_name, f"{flow_name} over {input}", report_sections(input, summary, layers))
+    artifacts.publish_report(flow_name, f"{flow_name} over {input}",
+                             report_sections(input, summary, layers, quality))
     return final_state(summary)
 
 
@@ -121,13 +123,18 @@ def final_state(summary: Summary):
     return Failed(message=summary.problem(), data=BatchNotStored(summary))
 
 
-def report_sections(input: str, summary: Summary, layers: list[dict]) -> list[tuple[str, str]]:
+def report_sections(input: str, summary: Summary, layers: list[dict],
+                    quality: list[dict] = ()) -> list[tuple[str, str]]:
     runs = "\n".join(f"- `{run_id}`: {c.label()}" for c, run_id in summary.runs) or "_all work was done before_"
     head = (f"- input `{input}`, store `{summary.db}`\n- {summary.n_documents} documents, {summary.n_processed} "
             f"prefilled, {summary.n_skipped} already done; {summary.n_ok} done, {summary.n_failed} failed; "
             f"{len(summary.input_errors)} bad input rows")
     sections = [("Batch", head), ("Runs", runs), ("Memory savings", artifacts.markdown_table(summary.savings)),
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
+    if any(r["press"] != "no_press" for r in quality):
+        sections.append(("Quality against the uncompressed run", artifacts.markdown_table(quality) +
+                         "\ndelta NLL: of the uncompressed answer or summary, lower is closer; source: the share of "
+                         "the document's tenths a summary draws on, middle 30-70% and ends (docs/summaries.md)\n"))
     if summary.write_error:
         sections.append(("Stopped", summary.problem()))
     failed = [o for o in summary.outcomes if not o.result.all_ok]

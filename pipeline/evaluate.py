@@ -42,7 +42,7 @@ import nestedkv
 from nestedkv.cache import full_layers, layer_press
 from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE, COVERAGE_ENDS, COVERAGE_MIDDLE,  # noqa: F401
                               DELTA_GOLD_NLL, DELTA_NLL, GOLD_KEPT, GOLD_METRICS, GOLD_NLL, METRICS, MIDDLE,
-                              REFERENCE_METRICS, ROUGE_L, SOURCE, SOURCE_ENDS, SOURCE_MIDDLE, TOP1)
+                              REFERENCE_METRICS, ROUGE_L, SOURCE, SOURCE_ENDS, SOURCE_MIDDLE, TOP1, UNREFERENCED)
 from pipeline.prompts import encode
 from pipeline.results import TOO_LONG
 
@@ -111,6 +111,11 @@ def summary_coverage(summary: Optional[str], doc: dict) -> dict:
     summary against the whole document it was cut from, so that the middle it never saw counts)."""
     return {**coverage(summary, doc["parts"], doc["depths"]),
             **source_coverage(summary, doc.get("whole_text") or doc["text"])}
+
+
+def source_scores(result, text: str) -> list[QuestionScores]:
+    """``source_coverage`` of each ok answer of ``result`` (a summary) against the document's ``text``."""
+    return [source_coverage(q.output, text) if q.status == "ok" else {} for q in result.questions]
 
 
 BANDS = 10  # tenths of a document: four of them make the middle 30-70%
@@ -226,15 +231,15 @@ def teacher_force(model, cache, question_ids: Sequence[int], answer_ids: Sequenc
 
 
 def evaluation_rows(run_id: str, result, scores: Sequence[QuestionScores], reference_run_id: Optional[str]) -> list[dict]:
-    """Rows for ``Store.write_evaluations``: gold metrics with ``reference_run_id`` NULL, agreement metrics
-    with the reference run (dropped when there is none). NaN values are not stored."""
+    """Rows for ``Store.write_evaluations``: metrics against gold or the document with ``reference_run_id`` NULL,
+    agreement metrics with the reference run (dropped when there is none). NaN values are not stored."""
     rows = []
     for q, s in zip(result.questions, scores):
         if q.status == TOO_LONG:  # never answered: no evaluation (its outputs row names why)
             continue
         for metric, value in (s or {}).items():
-            ref = None if metric in GOLD_METRICS else reference_run_id
-            if (ref is None and metric not in GOLD_METRICS) or value is None or math.isnan(value):
+            ref = None if metric in UNREFERENCED else reference_run_id
+            if (ref is None and metric not in UNREFERENCED) or value is None or math.isnan(value):
                 continue
             rows.append({"run_id": run_id, "doc_id": result.doc_id, "question_idx": q.question_idx,
                          "metric": metric, "value": float(value), "reference_run_id": ref})

@@ -12,6 +12,8 @@ COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS = "coverage", "coverage_middle", "cover
 # The same summaries against the document's own words: each tenth of the text has words found in no other tenth,
 # and a tenth counts as covered when the summary uses one of them (``evaluate.source_coverage``).
 SOURCE, SOURCE_MIDDLE, SOURCE_ENDS = "source_coverage", "source_middle", "source_ends"
-COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS, SOURCE, SOURCE_MIDDLE, SOURCE_ENDS)
+SOURCE_METRICS = (SOURCE, SOURCE_MIDDLE, SOURCE_ENDS)  # any summary, scored against its document: reference NULL
+COVERAGE_METRICS = (COVERAGE, COVERAGE_MIDDLE, COVERAGE_ENDS, *SOURCE_METRICS)
+UNREFERENCED = (*GOLD_METRICS, *SOURCE_METRICS)  # what evaluation_rows stores with reference_run_id NULL
 MIDDLE = (0.3, 0.7)  # a document's middle, as shares of its text before a point (coverage, middle cuts)
 HOOKED_METRICS = (GOLD_KEPT,)  # computed only when a run asks (--metrics): pipeline.evaluate.METRIC_HOOKS

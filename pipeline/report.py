@@ -47,6 +47,9 @@ COLUMNS = [  # (key, header, format)
     ("top1_agreement", "top-1 agree", "{:.3f}"),
     ("gold_nll", "gold NLL", "{:.3f}"),
     ("delta_gold_nll", "delta gold NLL", "{:+.3f}"),
+    ("source_coverage", "source", "{:.2f}"),
+    ("source_middle", "source middle", "{:.2f}"),
+    ("source_ends", "source ends", "{:.2f}"),
     ("kept_share", "KV kept", "{:.3f}"),
     ("resident_share", "KV resident", "{:.3f}"),
     ("resident_mib", "KV MiB/doc", "{:.2f}"),
@@ -88,6 +91,19 @@ def quality_rows(store: Store) -> list[dict]:
     return sorted(rows, key=_order)
 
 
+BATCH_QUALITY = ("press", "compression_ratio", "head_budget", "budget", "n_docs", "delta_nll", "rouge_l",
+                 "top1_agreement", "accuracy", "source_coverage", "source_middle", "source_ends")
+
+
+def batch_quality(store: Store, hashes: set[str]) -> list[dict]:
+    """The evaluation means of a batch's configurations (``hashes``), the uncompressed reference first; the
+    columns of ``BATCH_QUALITY`` some row has (what ``nkv run --compare-full`` prints and the flow's report
+    shows)."""
+    rows = sorted((r for r in store.quality_by_config() if r["config_hash"] in hashes), key=_order)
+    keys = [k for k in BATCH_QUALITY if any(r.get(k) is not None for r in rows)]
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
 def kv_label(row: dict, unit: str = "") -> Optional[str]:
     """The KV width as the report writes it: ``4`` (``unit`` after the number), then the group size when not
     64 and ``plain`` for keys quantized unrotated (``KVQuant.label``)."""
@@ -100,8 +116,13 @@ def _fmt(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+# Shown where some row has them: answers against gold (questions), where summaries draw from (summaries).
+OPTIONAL = ("accuracy", "accuracy_vs_full", "gold_nll", "delta_gold_nll", "source_coverage", "source_middle",
+            "source_ends")
+
+
 def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
-    cols = list(COLUMNS)
+    cols = [c for c in COLUMNS if c[0] not in OPTIONAL or any(r.get(c[0]) is not None for r in rows)]
     if len({r["model"] for r in rows}) > 1:
         cols.insert(0, ("model", "model", "{}"))
     if any(r.get("kv_bits") for r in rows):
@@ -126,28 +147,38 @@ def to_markdown(rows: list[dict], db: Union[str, Path]) -> str:
     models = sorted({r["model"] for r in rows})
     n_docs = max(r["n_docs"] for r in rows)
     n_q = max(r["n_questions"] or 0 for r in rows)
+    has = {key for key, _, _ in _columns(rows)}
+    gold = [
+        "- **accuracy**: share of answers containing the gold answer (case, punctuation and whitespace "
+        "folded); **acc / full**: accuracy over the `no_press` accuracy.",
+        "- **gold NLL** (nats per token): teacher-forced NLL of the gold answer after the question; "
+        "**delta gold NLL**: the same minus its value under the full cache (lower is better). It separates "
+        "methods even where greedy accuracy is at the floor.",
+        f"- With {n_q} questions the standard error of an accuracy near 0.5 is about "
+        f"{_se(0.5, n_q):.2f}; differences smaller than about twice that are within noise.",
+    ]
+    source = [
+        "- **source**, **source middle**, **source ends** (summaries): the share of the document's tenths whose "
+        "own words (found in no other tenth) the summary uses, over all tenths, the middle 30-70% and the rest "
+        "(docs/summaries.md).",
+    ]
     return "\n".join([
         "# Quality against compression",
         "",
-        f"Store `{db}`; model {', '.join(f'`{m}`' for m in models)}; {n_docs} documents, {n_q} questions "
-        "per configuration; each document prefilled once, every configuration compressed from a copy of "
-        "that cache (`nkv eval`).",
+        f"Store `{db}`; model {', '.join(f'`{m}`' for m in models)}; {n_docs} documents"
+        + (f", {n_q} questions per configuration" if n_q else "")
+        + "; each document prefilled once, every configuration compressed from a copy of that cache (`nkv eval`).",
         "",
         markdown_table(rows),
         "",
         "- **ratio**: fraction of context KV entries removed; **KV kept**: kept context KV bytes over the "
         "uncompressed context's (logical: the rows attention reads); **KV resident**: bytes actually allocated "
         "after compression over the same (adaptive head budgets pad every head of a layer to its longest one).",
-        "- **accuracy**: share of answers containing the gold answer (case, punctuation and whitespace "
-        "folded); **acc / full**: accuracy over the `no_press` accuracy.",
-        "- **agree exact**, **ROUGE-L**: the answer against the `no_press` answer to the same question.",
+        "- **agree exact**, **ROUGE-L**: the answer (or summary) against the `no_press` one to the same question.",
         "- **delta NLL** (nats per token, lower is better) and **top-1 agree**: teacher-forced along the "
         "`no_press` answer, compressed cache against full cache.",
-        "- **gold NLL** (nats per token): teacher-forced NLL of the gold answer after the question; "
-        "**delta gold NLL**: the same minus its value under the full cache (lower is better). It separates "
-        "methods even where greedy accuracy is at the floor.",
-        f"- With {n_q} questions the standard error of an accuracy near 0.5 is about "
-        f"{_se(0.5, n_q):.2f}; differences smaller than about twice that are within noise.",
+        *(gold if "accuracy" in has else []),
+        *(source if "source_coverage" in has else []),
         "",
         *frontier_markdown(rows),
     ])
@@ -194,8 +225,10 @@ def _num(v) -> float:
 
 
 def plot(rows: list[dict], path: Union[str, Path]) -> Path:
-    """Accuracy and delta-NLL against compression ratio, one line per method (and head-budget mode)."""
+    """Accuracy (for summaries without gold: source coverage) and delta-NLL against compression ratio, one line
+    per method (and head-budget mode)."""
     path = Path(path)
+    left = "accuracy" if any(r.get("accuracy") is not None for r in rows) else "source_coverage"
     fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax_acc, ax_nll = fig.subplots(1, 2)
     multi = len({r["model"] for r in rows}) > 1
@@ -214,18 +247,20 @@ def plot(rows: list[dict], path: Union[str, Path]) -> Path:
         style = {"marker": MARKERS[rank % len(MARKERS)], "color": f"C{(rank - 1 + shade) % 10}", "label": name,
                  "linestyle": "--" if pts[0]["head_budget"] == "adaptive" else "-",
                  "linewidth": 2.5 if press == "nestedkv" else 1.5}
-        ax_acc.plot(xs, [_num(p["accuracy"]) for p in pts], **style)
+        ax_acc.plot(xs, [_num(p.get(left)) for p in pts], **style)
         ax_nll.plot(xs, [_num(p["delta_nll"]) for p in pts], **style)
     for r in rows:  # the uncompressed runs are horizontal lines, one style per KV width
-        if r["press"] == "no_press" and r["accuracy"] is not None:
+        if r["press"] == "no_press" and r.get(left) is not None:
             bits = r.get("kv_bits")
             line = {"color": "black", "linestyle": {None: ":", 8: "-."}.get(bits, "--"), "linewidth": 1.2}
-            ax_acc.axhline(r["accuracy"], **line, label=f"{config_label(r)} ({r['accuracy']:.2f})")
+            ax_acc.axhline(r[left], **line, label=f"{config_label(r)} ({r[left]:.2f})")
             if bits and r["delta_nll"] is not None:
                 ax_nll.axhline(r["delta_nll"], **line, label=f"{config_label(r)} ({r['delta_nll']:+.2f})")
     ax_nll.axhline(0.0, color="black", linestyle=":", linewidth=1.2, label="no_press (0)")
-    ax_acc.set(title="Answer accuracy (gold contained)", xlabel="compression ratio (fraction removed)",
-               ylabel="accuracy", ylim=(-0.02, 1.02))
+    ax_acc.set(title="Answer accuracy (gold contained)" if left == "accuracy" else
+               "Summary's source coverage (tenths of the document drawn on)",
+               xlabel="compression ratio (fraction removed)", ylabel="accuracy" if left == "accuracy" else "share of tenths",
+               ylim=(-0.02, 1.02))
     ax_nll.set(title="Delta NLL of the no_press answer (teacher-forced)", xlabel="compression ratio (fraction removed)",
                ylabel="nats / token vs full cache")
     for ax in (ax_acc, ax_nll):

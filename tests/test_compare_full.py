@@ -26,6 +26,15 @@ def metrics(db) -> dict:
     return {(r["press"], r["metric"]): r["against_full"] for r in rows}
 
 
+def latest_report() -> str:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["markdown"])))
+    return max(arts, key=lambda a: a.created).data
+
+
 def test_run_compare_full_scores_the_summaries_against_the_uncompressed_ones(files, tmp_path, prefect_api):
     model, batch = files
     db = tmp_path / "runs.duckdb"
@@ -36,6 +45,10 @@ def test_run_compare_full_scores_the_summaries_against_the_uncompressed_ones(fil
     assert got[("nestedkv", "delta_nll")] and got[("nestedkv", "rouge_l")] and got[("nestedkv", "top1_agreement")]
     assert not any(metric in ("correct", "gold_nll") for _, metric in got)  # a summary has no gold answer
     assert "against the uncompressed run" in res.stdout and "delta_nll" in res.stdout
+    # where each summary draws from, the uncompressed one's too: scored against the document, no reference
+    assert got[("nestedkv", "source_coverage")] is False and got[("no_press", "source_ends")] is False
+    assert "source_coverage" in res.stdout and "accuracy" not in res.stdout
+    assert "Quality against the uncompressed run" in latest_report() and "source_coverage" in latest_report()
     plain = CliRunner().invoke(app, ["run", "--model", str(model), "--input", batch, "--max-new-tokens", "6",
                                      "--db", str(tmp_path / "plain.duckdb")])
     assert plain.exit_code == 0 and "against the uncompressed run" not in plain.stdout

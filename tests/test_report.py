@@ -58,6 +58,28 @@ def test_report_table_rows_and_values(evaluated):
     assert rep.table.num_rows == len(rep.rows) and "accuracy" in rep.table.column_names
 
 
+def test_a_summary_evaluation_reports_where_summaries_draw_from(tmp_path, monkeypatch):
+    """Summaries have no gold answer: the report shows source coverage (the uncompressed summary's beside each
+    compressed one's) instead of the accuracy columns, and plots it."""
+    with use_tiny_model(monkeypatch):
+        batch = write_batch(tmp_path / "in.parquet", sample_docs(2, 400))
+        base = RunConfig(task="summarize", model=TINY_NAME, press="no_press", compression_ratio=0.0,
+                         max_new_tokens=8, prefill_step_size=128)
+        db = tmp_path / "sum.duckdb"
+        run(batch, make_configs(base, ["no_press", "nestedkv"], [0.5, 0.9]), db, EngineOptions(evaluate=True))
+    rep = write_report(db, tmp_path / "out")
+    assert [r["press"] for r in rep.rows] == ["no_press", "nestedkv", "nestedkv"]
+    for r in rep.rows:
+        assert r["accuracy"] is None and 0.0 <= r["source_coverage"] <= 1.0
+    assert "source" in rep.table.column_names and "accuracy" not in rep.table.column_names
+    text = rep.markdown_path.read_text()
+    assert "**source**" in text and "gold answer" not in text and "questions per configuration" not in text
+    with Store(str(db), read_only=True) as store:
+        got = store.query("SELECT metric, full_value FROM quality_vs_full WHERE metric = 'source_coverage'").to_pylist()
+    assert len(got) == 2 and all(0.0 <= g["full_value"] <= 1.0 for g in got)  # the uncompressed summary's
+    assert rep.plot_path.read_bytes()[:8] == PNG_MAGIC
+
+
 def test_write_report_produces_markdown_and_png(evaluated, tmp_path):
     db, _ = evaluated
     out = tmp_path / "reports"

@@ -117,19 +117,16 @@ def print_summary(summary, db: str) -> None:
     print_savings(summary.savings)
 
 
-QUALITY_COLUMNS = ("press", "compression_ratio", "head_budget", "budget", "n_docs", "delta_nll", "rouge_l",
-                   "top1_agreement", "accuracy")
-
-
 def print_quality(summary, db: str) -> None:
-    """Each compressed run of this batch against its uncompressed twin (``--compare-full``): the means over its
-    documents of the store's evaluation metrics."""
-    hashes = {c.config_hash() for c, _ in summary.runs if not c.is_reference}
+    """This batch's runs against the uncompressed twin (``--compare-full``): the means over its documents of
+    the store's evaluation metrics, the twin's own first."""
+    from pipeline.report import batch_quality  # matplotlib: only when asked
+
     with Store(db, read_only=True) as store:
-        rows = [{k: r.get(k) for k in QUALITY_COLUMNS} for r in store.quality_by_config()
-                if r["config_hash"] in hashes]
-    if rows:
-        print_table(pa.Table.from_pylist(rows), title="against the uncompressed run (delta NLL: lower is closer)")
+        rows = batch_quality(store, {c.config_hash() for c, _ in summary.runs})
+    if any(r["press"] != "no_press" for r in rows):
+        print_table(pa.Table.from_pylist(rows), title="against the uncompressed run (delta NLL: lower is closer; "
+                                                      "source: the document's tenths a summary draws on)")
 
 
 def exit_unless_done(summary) -> None:

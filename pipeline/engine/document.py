@@ -16,7 +16,7 @@ from pipeline import models
 from pipeline.runner import map_reduce
 from pipeline.config import EngineOptions, RunConfig
 from pipeline.documents import Document
-from pipeline.evaluate import METRIC_HOOKS, Reference, evaluation_rows
+from pipeline.evaluate import METRIC_HOOKS, Reference, evaluation_rows, source_scores
 from pipeline.runner.prefill_cache import open_cache
 from pipeline.results import TOO_LONG, DocumentResult
 from pipeline.runner import Entry
@@ -82,6 +82,10 @@ class Work:
     def outcomes(self) -> list[Outcome]:
         for cfg, more in self.extra.items():
             self.scores[cfg] = _merge(self.scores.get(cfg), more)
+        if self.evaluate:
+            for cfg, res in self.results.items():
+                if cfg.task == "summarize" and res is not None:  # past the window too: it needs no reference
+                    self.scores[cfg] = _merge(self.scores.get(cfg), source_scores(res, self.doc.text))
         return [Outcome(cfg, self.results[cfg], self.scores.get(cfg)) for cfg in self.todo]
 
     def answer(self, cfg: RunConfig, cache, res: DocumentResult, full) -> None:

@@ -9,7 +9,7 @@ from typing import Iterable, Optional, Sequence
 
 from pipeline.config import RunConfig
 from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE_METRICS, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L,
-                              TOP1)
+                              SOURCE, SOURCE_ENDS, SOURCE_MIDDLE, TOP1)
 from pipeline.results import OK
 from pipeline.store import lake
 from pipeline.store.reads import Reads
@@ -36,7 +36,10 @@ SELECT config_hash, any_value(model) AS model, any_value(press) AS press, any_va
        avg(value) FILTER (WHERE metric = '{DELTA_NLL}') AS delta_nll,
        avg(value) FILTER (WHERE metric = '{TOP1}') AS top1_agreement,
        avg(value) FILTER (WHERE metric = '{GOLD_NLL}') AS gold_nll,
-       avg(value) FILTER (WHERE metric = '{DELTA_GOLD_NLL}') AS delta_gold_nll
+       avg(value) FILTER (WHERE metric = '{DELTA_GOLD_NLL}') AS delta_gold_nll,
+       avg(value) FILTER (WHERE metric = '{SOURCE}') AS source_coverage,
+       avg(value) FILTER (WHERE metric = '{SOURCE_MIDDLE}') AS source_middle,
+       avg(value) FILTER (WHERE metric = '{SOURCE_ENDS}') AS source_ends
 FROM ev GROUP BY config_hash
 """
 
