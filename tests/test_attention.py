@@ -288,9 +288,13 @@ def test_adaptive_decode_gathers_each_heads_rows_over_many_steps(tiny_model, tok
         np.testing.assert_allclose(np.array(one), np.array(per_head), atol=1e-5, rtol=1e-5)
 
 
+real_setitem = mx.array.__setitem__
+
+
 def test_adaptive_decode_on_the_cpu_attends_each_heads_rows_in_place(tiny_model, tokens, monkeypatch):
-    """On the CPU fast path a decode step attends each KV head's rows where they lie (one call per KV head, no
-    gather), and its logits are those of Metal's path's one gathered call."""
+    """On the CPU fast path a decode step appends by slice updates and attends each KV head's rows where they
+    lie (one call per KV head, no gather, no scatter); over 70 steps, past a region's growth, its logits stay
+    those of Metal's path (one gathered call, one scatter)."""
     from nestedkv import _platform
 
     model = tiny_model("llama", n_layers=2)
@@ -298,20 +302,28 @@ def test_adaptive_decode_on_the_cpu_attends_each_heads_rows_in_place(tiny_model,
     model(tokens(300)[None], cache=cache)
     compress(cache)
     gathered = clone(cache)
-    monkeypatch.setitem(_platform._state, "fast_path", True)
     calls, real = [], nkv_attention._attend
     monkeypatch.setattr(nkv_attention, "_attend", lambda *a, **k: (calls.append(a[1].shape[1]), real(*a, **k))[1])
-    take = mx.take
-    monkeypatch.setattr(mx, "take", lambda *a, **k: pytest.fail("a CPU decode step gathered rows"))
-    step = tokens(1, seed=3)[None]
-    in_place = model(step, cache=cache)
-    monkeypatch.setattr(mx, "take", take)
     heads = cache[0].layout.batch_heads[1]
-    assert calls == [1] * (heads * len(model.layers))  # each call one KV head's rows
-    monkeypatch.setitem(_platform._state, "fast_path", False)
-    calls.clear()
-    np.testing.assert_allclose(np.array(in_place), np.array(model(step, cache=gathered)), atol=1e-5, rtol=1e-5)
-    assert len(calls) == len(model.layers)
+    for i in range(70):
+        step = tokens(1, seed=100 + i)[None]
+        monkeypatch.setitem(_platform._state, "fast_path", True)
+        if i == 0:
+            with monkeypatch.context() as m:
+                m.setattr(mx, "take", lambda *a, **k: pytest.fail("a CPU decode step gathered rows"))
+                m.setattr(mx.array, "__setitem__", lambda self, idx, v: pytest.fail("a CPU decode step scattered")
+                          if any(isinstance(x, mx.array) for x in (idx if isinstance(idx, tuple) else (idx,)))
+                          else real_setitem(self, idx, v))
+                in_place = model(step, cache=cache)
+                mx.eval(in_place)
+            assert calls == [1] * (heads * len(model.layers))  # each call one KV head's rows
+        else:
+            in_place = model(step, cache=cache)
+        monkeypatch.setitem(_platform._state, "fast_path", False)
+        calls.clear()
+        np.testing.assert_allclose(np.array(in_place), np.array(model(step, cache=gathered)), atol=1e-5, rtol=1e-5)
+        assert len(calls) == len(model.layers)
+        calls.clear()
 
 
 def test_row_blocks_keep_attention_sinks(monkeypatch):
