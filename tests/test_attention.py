@@ -474,3 +474,20 @@ def test_prefill_profile_times_the_three_attention_paths(tiny_model, tokens, mon
     prof = bench.prefill_profile(model, tokens(300, seed=4), 128)
     assert set(prof) == {"numpy_blocks", "mlx_blocks", "no_attention"} and all(v > 0 for v in prof.values())
     assert (nkv_attention.numpy_rows, nkv_attention._attend) == before
+
+
+def test_bench_kernels_decodes_the_configurations_in_turn(tmp_path, monkeypatch):
+    """``nkv bench kernels`` decodes its configurations in alternating blocks (so drift moves them alike): each
+    gets the steps asked, a speed, and its adaptive budgets' calls are counted on Metal's path (one a layer)."""
+    from bench import kernels as bench
+    from tiny import save_tiny_model_dir
+
+    monkeypatch.setattr(bench, "DECODE_BLOCK", 4)
+    turns, real = [], bench.mx.argmax
+    monkeypatch.setattr(bench.mx, "argmax", lambda x, **k: (turns.append(x.shape), real(x, **k))[1])
+    out = bench.bench_model(save_tiny_model_dir(tmp_path / "m"), 200, 10, chunk=64, random_tokens=True)
+    configs = out["configs"]
+    assert len(turns) == 1 + len(configs) * (1 + 10)  # the prefill's token, each warm-up step, 10 steps each
+    assert all(r["decode_tokens_per_s"] > 0 for r in configs.values())
+    assert configs["r=0.75 adaptive"]["attention_calls_per_layer_token"] == 1
+    assert configs["r=0.75 adaptive"]["kept_over_full"]["mean"] == pytest.approx(0.25, abs=0.01)
