@@ -13,7 +13,7 @@ _HOME = {
     "nestedkv.accounting": ("LayerMemory", "layer_stats", "peak_kv_bytes", "reset_peak"),
     "nestedkv.attention": ("head_mask", "install_attention_hook"),
     "nestedkv.cache": ("NestedKVCache", "check_model", "clone", "compress", "make_cache", "model_scores", "press_of",
-                       "rewind", "stack", "take"),
+                       "rewind", "stack", "steer", "take"),
     "nestedkv.press": ("PREFILL_MODES", "PRESSES", "BasePress", "compared_methods", "get_press"),  # and every press class, below
     "nestedkv.probe": ("Instruction",),
     "nestedkv.quant": ("KVQuant",),

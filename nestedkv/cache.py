@@ -205,8 +205,11 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None, questions=(
     sweep scores once for all its budgets)."""
     _check_cache(cache)
     full = full_layers(cache)
-    if scores is None and press_of(cache).needs_model and not full[0].compressed:
-        scores = model_scores(cache, model, tokens, prompt, questions)
+    press = press_of(cache)
+    if scores is None and press.needs_model and not full[0].compressed:
+        # A steered stream is read by its questions once more, the last chunk's rows among them.
+        scores = (steer(cache, model, questions) if press.prefill == "streaming"
+                  else model_scores(cache, model, tokens, prompt, questions))
     layers = leaves(cache)
     scores = scores or [None] * len(layers)
     keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(layers)
@@ -236,11 +239,28 @@ def model_scores(cache, model, tokens, prompt=(), questions=()) -> list:
                          "context positions")
     if not press.needs_questions:
         return press.model_scores(model, cache, list(tokens), Instruction.of(prompt))
+    return press.model_scores(model, cache, list(tokens), Instruction.of(prompt), questions=_asked(press, questions))
+
+
+def steer(cache, model, questions) -> list:
+    """Between the chunks of a streaming prefill under a press that steers it (``snapkv``, uniform budgets;
+    Finch-class reading): the questions score the rows the cache holds now, and the next chunk's eviction
+    keeps the best. ``nestedkv.compress`` steers once more after the last chunk. Returns the scores."""
+    _check_cache(cache)
+    press = press_of(cache)
+    if not (press.needs_questions and press.streams and press.prefill == "streaming"):
+        raise ValueError(f"press {press.name!r} (prefill={press.prefill!r}) does not steer a streaming prefill")
+    if model is None:
+        raise ValueError(f"press {press.name!r} steers with the model: nestedkv.steer(cache, model, questions)")
+    return press.steer(model, cache, _asked(press, questions))
+
+
+def _asked(press, questions) -> list[list[int]]:
     asked = [list(q) for q in questions if len(q)]
     if not asked:
         raise ValueError(f"press {press.name!r} lets the document's questions pick the rows: give them "
                          "(nestedkv.compress(..., questions=[ids, ...])); none were given")
-    return press.model_scores(model, cache, list(tokens), Instruction.of(prompt), questions=asked)
+    return asked
 
 
 def press_of(cache) -> BasePress:

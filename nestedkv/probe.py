@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from nestedkv import _cpu
 from nestedkv.attention import LOG2E, MIN_ROWS, install_attention_hook, numpy_softmax, row_plan
@@ -46,12 +46,17 @@ class Instruction:
 class ProbeCache(KVCache):
     """One layer's context rows ``[B, H, n, D]``; a fed chunk's rows are attended to, never kept."""
 
-    def __init__(self, keys: mx.array, values: mx.array, observe: Callable):
+    def __init__(self, keys: mx.array, values: mx.array, observe: Callable, start: Optional[int] = None):
         super().__init__()
         self.ctx_keys, self.ctx_values = keys, values
         self.n = keys.shape[2]
-        self.offset = self.n
+        self.start = self.n if start is None else start  # the position of the first fed token
+        self.offset = self.start
         self.observe = observe  # (queries [B, Hq, L, D], keys [B, H, n + L, D], values, scale) -> output or None
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        # The keys are the rows held and the fed ones, whatever position the feed starts at.
+        return create_attention_mask(N, offset=self.n, return_array=return_array, window_size=window_size)
 
     def update_and_fetch(self, keys, values):
         self.offset += keys.shape[2]
@@ -59,11 +64,13 @@ class ProbeCache(KVCache):
 
 
 def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press_name: str,
-          rows: Optional[int] = None) -> None:
+          rows: Optional[int] = None, streaming: bool = False) -> None:
     """Feed each token list of ``feeds`` after the context of ``cache`` (uncompressed, all positions stored),
     or after its first ``rows`` rows only (feeding the rest again recomputes their own queries);
     ``observe(layer, queries, keys, values, scale)`` sees every layer of every feed. Nothing is stored.
-    Yields after each feed, so the caller evaluates what it gathered."""
+    ``streaming``: the cache is mid-way through a streaming prefill (uniform budgets): feed after the rows it
+    holds now, at the position its next chunk would take. Yields after each feed, so the caller evaluates what
+    it gathered."""
     unrouted = [c.facts.writer for c in cache if c.facts is not None and not c.facts.routed]
     if not install_attention_hook(model, required=False) or unrouted:
         which = f"its attention ({unrouted[0]})" if unrouted else type(model).__module__
@@ -71,16 +78,25 @@ def probe(model, cache, feeds: Sequence[Sequence[int]], observe: Callable, press
                          "mlx-lm's scaled_dot_product_attention; use a key-only press (e.g. nestedkv)")
     probes = []
     for i, c in enumerate(cache):
-        if c.compressed or c.kept is not None or c.stream is not None:
+        start = None
+        if streaming:
+            if c.compressed or c.stream is None:
+                raise ValueError(f"press {press_name!r} steers a streaming prefill: layer {i} is not streaming")
+            start = c.offset  # first: it moves the rows into the window when the next chunk would pass it
+            k, v, valid = c._rows()
+            if valid is not None:
+                raise ValueError(f"press {press_name!r} steers a streaming prefill with uniform head budgets only")
+        elif c.compressed or c.kept is not None or c.stream is not None:
             raise ValueError(f"press {press_name!r} scores the whole context with the model: layer {i} already "
                              "evicted rows")
-        end = c.stored if rows is None else rows
-        k, v = c.keys[..., :end, :], c.values[..., :end, :]
-        probes.append(ProbeCache(k, v, lambda q, kk, vv, s, i=i: observe(i, q, kk, vv, s)))
+        else:
+            end = c.stored if rows is None else rows
+            k, v = c.keys[..., :end, :], c.values[..., :end, :]
+        probes.append(ProbeCache(k, v, lambda q, kk, vv, s, i=i: observe(i, q, kk, vv, s), start))
     for ids in feeds:
         model(mx.array(list(ids), dtype=mx.int32)[None], cache=probes)  # the logits are never evaluated
         for p in probes:
-            p.offset = p.n
+            p.offset = p.start
         yield
 
 

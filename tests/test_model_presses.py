@@ -103,8 +103,12 @@ def test_kvzip_scores_are_the_most_attention_a_reconstruction_query_gives(tiny_m
 @pytest.mark.parametrize("name", MODEL_PRESSES)
 def test_refusals_are_one_line(tiny_model, tokens, name):
     model, toks = tiny_model("llama"), tokens(N)
-    with pytest.raises(ValueError, match="cannot evict while prefilling"):
-        get_press(name, prefill="streaming")
+    if PRESSES[name].needs_questions:  # steered streaming, uniform budgets only
+        with pytest.raises(ValueError, match="head_budget='uniform' only"):
+            get_press(name, prefill="streaming", head_budget="adaptive")
+    else:
+        with pytest.raises(ValueError, match="cannot evict while prefilling"):
+            get_press(name, prefill="streaming")
     cache = _prefilled(model, toks, get_press(name, compression_ratio=0.5))
     with pytest.raises(ValueError, match="scores keys with the model"):
         compress(cache)
@@ -350,3 +354,61 @@ def test_snapkv_keeps_what_its_questions_attend_to(tiny_model, tokens):
         scores = nestedkv.model_scores(nestedkv.clone(full, press, model=model), model, toks.tolist(), (), q)
         chosen.append([set(np.array(press.select_model_scores(s).indices)[0, 0].tolist()) for s in scores])
     assert chosen[0] != chosen[1]
+
+
+def _streamed(model, toks, press, chunk, questions=QUESTIONS, each=None):
+    """A steered streaming prefill, the questions read after every chunk but the last; ``each(i, cache)``
+    after each chunk (before its reading)."""
+    cache = make_cache(model, press, context_len=len(toks))
+    for i, start in enumerate(range(0, len(toks), chunk)):
+        model(toks[None, start : start + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+        if each is not None:
+            each(i, cache)
+        if start + chunk < len(toks):
+            nestedkv.steer(cache, model, questions)
+    return cache
+
+
+def test_snapkv_streaming_in_one_chunk_keeps_what_the_whole_prefill_keeps(tiny_model, tokens):
+    """One chunk holding the whole context: the questions read it once, as after a whole prefill."""
+    model, toks = tiny_model("llama"), tokens(N)
+    press = get_press("snapkv", compression_ratio=0.75, head_budget="uniform")
+    whole = _prefilled(model, toks, press)
+    compress(whole, model=model, tokens=toks.tolist(), questions=QUESTIONS)
+    streamed = _streamed(model, toks, get_press("snapkv", compression_ratio=0.75, head_budget="uniform",
+                                                prefill="streaming"), N)
+    compress(streamed, model=model, questions=QUESTIONS)
+    step = mx.array([[5]])
+    np.testing.assert_allclose(np.array(model(step, cache=streamed)), np.array(model(step, cache=whole)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_snapkv_steers_each_chunks_eviction(tiny_model, tokens):
+    """Past its budget a steered stream keeps, of the rows it held, those the questions' last reading ranked
+    best, and holds no more than the budget and one chunk."""
+    model, toks = tiny_model("llama"), tokens(N)
+    press = get_press("snapkv", compression_ratio=0.75, head_budget="uniform", prefill="streaming")
+    keep, chunk, read = press.n_keep(N), 32, {}
+    spy = nestedkv.steer
+
+    def each(i, cache):
+        assert all(c.stored <= keep + chunk for c in cache)
+        if i == 2:  # the 64 rows of chunks 0-1 were over the budget: the reading after chunk 1 chose
+            for c, s in zip(cache, read[1]):
+                pos = np.array(c.stream.rows["pos"])[0]
+                for h in range(pos.shape[0]):
+                    want = sorted(np.array(press.select_scores(s, keep).indices)[0, h].tolist())
+                    assert sorted(p for p in pos[h].tolist() if p < 2 * chunk) == want
+        read[i] = None
+
+    def steer_and_keep(cache, m, questions):
+        read[max(read)] = spy(cache, m, questions)
+        return read[max(read)]
+
+    import unittest.mock as mock
+    with mock.patch.object(nestedkv, "steer", steer_and_keep):
+        cache = _streamed(model, toks, press, chunk, each=each)
+    compress(cache, model=model, questions=QUESTIONS)
+    assert all(int(c.kept[0, h].item()) == keep for c in cache for h in range(c.kept.shape[1]))
+    assert nestedkv.layer_stats(cache)[0].bytes_resident <= nestedkv.layer_stats(cache)[0].bytes_full * 0.3

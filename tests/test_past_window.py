@@ -153,6 +153,21 @@ def test_the_runner_reads_a_long_document_whole_when_streaming():
     assert res.questions[0].status == OK and res.questions[0].n_generated > 0
 
 
+def test_snapkv_steers_a_long_document_within_the_window(rotations):
+    """Finch-class reading: the questions score the rows after every chunk, the budget is kept, and no rope
+    position, the questions' included, passes the window."""
+    res = runner(press="snapkv", head_budget="uniform", long_docs="stream").run(doc())
+    assert res.status == OK and res.read_mode == "stream", res.error
+    assert all(m.tokens_seen == res.n_tokens and m.kept_max <= 120 for m in res.layers)
+    assert res.questions[0].status == OK and res.questions[0].n_generated > 0
+    assert rotations and max(offset + rows for offset, rows in rotations) <= 800
+
+
+def test_snapkv_streams_with_uniform_budgets_only():
+    with pytest.raises(ValueError, match="head_budget='uniform' only"):
+        runner(press="snapkv", head_budget="adaptive", long_docs="stream").run(doc())
+
+
 def test_long_docs_truncate_and_refuse():
     cut = runner(long_docs="truncate").run(doc())
     assert cut.status == OK and cut.read_mode == "truncate" and cut.n_tokens_full > cut.n_tokens

@@ -48,7 +48,7 @@ class BasePress:
     compared: ClassVar[bool] = False  # one of the default methods of `nkv eval` and the suite
     stream_scorer: ClassVar[type] = StreamScorer  # its state during a streaming prefill (see streaming.py)
     # Scores need the model, not only the keys: ``model_scores`` runs after the prefill, inside compression
-    # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream.
+    # (``nestedkv.compress(cache, model=..., tokens=...)``), and the press cannot stream unless it ``streams``.
     needs_model: ClassVar[bool] = False
     # Scores read the document's questions (``model_scores(..., questions=)``): the rows kept are those these
     # questions need, so later questions may find less. Runs record it (``saw_questions``).
@@ -128,8 +128,14 @@ class BasePress:
         params = json.loads(self.to_json())
         return json.dumps({k: v for k, v in params.items() if k not in SELECTION_FIELDS}, sort_keys=True)
 
+    @property
+    def streams(self) -> bool:
+        """Whether it can evict while prefilling (``prefill="streaming"``, documents past the window): key-only
+        presses can; one scoring with the model only where it steers each chunk itself (``steer``)."""
+        return not self.needs_model
+
     def check_whole_prefill(self) -> None:
-        if self.needs_model and self.prefill != "whole":
+        if not self.streams and self.prefill != "whole":
             raise ValueError(f"press {self.name!r} scores the whole context with the model after the prefill, so "
                              "it cannot evict while prefilling (prefill='streaming', documents past the window); "
                              "use prefill='whole', or a key-only press (nestedkv, keydiff) to stream")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,16 +32,28 @@ def _backbone(model):
     return inner if callable(inner) else model
 
 
-def prefill(model, cache, ids: list[int], step: int, on_progress: Optional[Progress] = None) -> None:
-    """Feed the context in chunks of ``step`` tokens into ``cache`` (evaluated chunk by chunk)."""
+def prefill(model, cache, ids: list[int], step: int, on_progress: Optional[Progress] = None,
+            questions: Sequence[Sequence[int]] = ()) -> None:
+    """Feed the context in chunks of ``step`` tokens into ``cache`` (evaluated chunk by chunk); a press that
+    steers its streaming prefill reads ``questions`` after each chunk but the last (``nestedkv.steer``; compression
+    reads them after the last)."""
     body = _backbone(model)
     tokens = mx.array(ids, dtype=mx.int32)[None]
     n = len(ids)
+    press = nestedkv.press_of(cache) if questions else None
+    steered = press is not None and press.prefill == "streaming" and press.needs_questions
     for start in range(0, n, step):
         body(tokens[:, start : start + step], cache=cache)
         mx.eval([c.state for c in cache])
+        if steered and start + step < n:
+            nestedkv.steer(cache, model, questions)
         if on_progress:
             on_progress(min(start + step, n), n)
+
+
+def asked(prepared: PreparedDocument, res: DocumentResult) -> list[list[int]]:
+    """The token ids of the document's questions that will be asked (one too long for the window never is)."""
+    return [ids for (_, ids, _), q in zip(prepared.questions, res.questions) if q.status != TOO_LONG]
 
 
 def penalize_repeats(logits: mx.array, histories: list[list[int]], penalty: float,
@@ -201,7 +213,8 @@ class Runner:
         mx.reset_peak_memory()
         nestedkv.reset_peak(cache)
         t0 = time.perf_counter()
-        prefill(self.model, cache, prepared.context_ids, self.config.prefill_step_size, on_prefill)
+        prefill(self.model, cache, prepared.context_ids, self.config.prefill_step_size, on_prefill,
+                asked(prepared, res))
         res.prefill_s = res.prefill_compute_s = time.perf_counter() - t0
         res.peak_prefill_bytes = mx.get_peak_memory()
         return cache
@@ -215,8 +228,7 @@ class Runner:
         configurations; each still records the scoring pass's seconds and peak, what it costs a run alone."""
         t0 = time.perf_counter()
         tokens = prepared.context_ids if prepared is not None else None
-        questions = [ids for (_, ids, _), q in zip(prepared.questions, res.questions) if q.status != TOO_LONG] \
-            if prepared is not None else []
+        questions = asked(prepared, res) if prepared is not None else []
         press = nestedkv.press_of(cache)
         scores, shared_s, shared_peak = None, 0.0, 0
         if press.needs_model and scored is not None and tokens is not None:

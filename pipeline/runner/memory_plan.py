@@ -106,8 +106,8 @@ class NoPlan(ValueError):
 
 
 def can_stream(presses: Sequence) -> bool:
-    """Every press evicts while prefilling: key-only, with a budget (not ``no_press``)."""
-    return bool(presses) and all(not p.needs_model and p.n_keep(10**9) is not None for p in presses)
+    """Every press evicts while prefilling (``streams``: key-only, or steered), with a budget (not ``no_press``)."""
+    return bool(presses) and all(p.streams and p.n_keep(10**9) is not None for p in presses)
 
 
 def plan(shape: Shape, model, doc_id: str, n: int, chunk: int, presses: Sequence, limit: int,
