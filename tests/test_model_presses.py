@@ -412,3 +412,16 @@ def test_snapkv_steers_each_chunks_eviction(tiny_model, tokens):
     compress(cache, model=model, questions=QUESTIONS)
     assert all(int(c.kept[0, h].item()) == keep for c in cache for h in range(c.kept.shape[1]))
     assert nestedkv.layer_stats(cache)[0].bytes_resident <= nestedkv.layer_stats(cache)[0].bytes_full * 0.3
+
+
+def test_snapkv_steered_stream_quantizes_what_it_keeps(tokens):
+    """``--kv-bits`` with a steered stream: rows stream unquantized, the kept ones are quantized at the end."""
+    from tests.tiny import make_tiny_model
+
+    model, toks = make_tiny_model("llama", hidden=128, n_heads=4, n_kv_heads=2), tokens(N)  # head_dim 32
+    press = get_press("snapkv", compression_ratio=0.75, head_budget="uniform", prefill="streaming", kv_bits=8,
+                      kv_group_size=32)
+    cache = _streamed(model, toks, press, 48)
+    compress(cache, model=model, questions=QUESTIONS)
+    assert all(c.quantized and int(mx.max(c.kept).item()) == press.n_keep(N) for c in cache)
+    assert mx.all(mx.isfinite(model(mx.array([[5]]), cache=cache))).item()
