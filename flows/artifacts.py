@@ -73,11 +73,9 @@ def layer_rows(store: Store, run_id: str) -> list[dict]:
 
 
 def quality_rows(store: Store, summary) -> list[dict]:
-    """The batch's evaluation means (``pipeline.report.batch_quality``), as artifacts hold numbers."""
-    from pipeline.report import batch_quality  # matplotlib: only for an evaluated batch
-
+    """The batch's evaluation means (``Store.batch_quality``), as artifacts hold numbers."""
     hashes = {c.config_hash() for c, _ in summary.runs}
-    return [{k: _plain(v) for k, v in r.items()} for r in batch_quality(store, hashes)]
+    return [{k: _plain(v) for k, v in r.items()} for r in store.batch_quality(hashes)]
 
 
 def markdown_table(rows: list[dict]) -> str:

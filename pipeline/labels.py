@@ -1,11 +1,27 @@
-"""How a configuration is named in every report, table and plot: one function, so the suite, ``nkv report``
-and the artifacts name a configuration the same way."""
+"""How a configuration is named, and where its row stands, in every report, table and plot: one function each,
+so the suite, ``nkv report`` and the artifacts name and order configurations the same way."""
 
 from __future__ import annotations
 
 import nestedkv
+from nestedkv.press import PRESSES, NoPress
 from nestedkv.quant import KVQuant
 from pipeline.config import REFERENCE_PRESS
+
+
+def press_order() -> tuple[str, ...]:
+    """Report rows: the reference, then the registered methods in their rank order."""
+    return (NoPress.name, *(n for n, cls in PRESSES.items() if cls is not NoPress))
+
+
+def config_order(row: dict) -> tuple:
+    """A stored configuration's place among report rows: model, press (``press_order``), uniform before
+    adaptive, KV width, budget, ratio."""
+    press = row["press"]
+    order = press_order()
+    rank = order.index(press) if press in order else len(order)
+    return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
+            KVQuant.from_fields(row).sort_key(), row["budget"] or 0, row["compression_ratio"])
 
 
 def press_label(press: str) -> str:

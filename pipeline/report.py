@@ -18,17 +18,12 @@ import pyarrow as pa
 from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
-from nestedkv.press import PRESSES, NoPress
 from nestedkv.quant import KVQuant
 from pipeline import tables
-from pipeline.labels import config_label
+from pipeline.labels import config_label, config_order, press_order
 from pipeline.store import Store, StoreError
 
 
-
-def press_order() -> tuple[str, ...]:
-    """Report rows: the reference, then the registered methods in their rank order."""
-    return (NoPress.name, *(n for n, cls in PRESSES.items() if cls is not NoPress))
 MARKDOWN_NAME = "report.md"
 PLOT_NAME = "quality_vs_ratio.png"
 FRONTIER_NAME = "quality_vs_memory.png"
@@ -66,14 +61,6 @@ class Report:
     frontier_path: Optional[Path] = None
 
 
-def _order(row: dict) -> tuple:
-    press = row["press"]
-    order = press_order()
-    rank = order.index(press) if press in order else len(order)
-    return (row["model"], rank, press, row["head_budget"] != "uniform", row["head_budget"],
-            KVQuant.from_fields(row).sort_key(), row["budget"] or 0, row["compression_ratio"])
-
-
 def quality_rows(store: Store) -> list[dict]:
     """One numeric row per evaluated configuration, ordered: reference, nestedkv, baselines; ratio up."""
     rows = store.quality_by_config()
@@ -88,20 +75,7 @@ def quality_rows(store: Store) -> list[dict]:
         ref = full_acc.get(r["model"])
         r["accuracy_vs_full"] = r["accuracy"] / ref if ref and r["accuracy"] is not None else None
         r["kv_label"] = kv_label(r)
-    return sorted(rows, key=_order)
-
-
-BATCH_QUALITY = ("press", "compression_ratio", "head_budget", "budget", "n_docs", "delta_nll", "rouge_l",
-                 "top1_agreement", "accuracy", "source_coverage", "source_middle", "source_ends")
-
-
-def batch_quality(store: Store, hashes: set[str]) -> list[dict]:
-    """The evaluation means of a batch's configurations (``hashes``), the uncompressed reference first; the
-    columns of ``BATCH_QUALITY`` some row has (what ``nkv run --compare-full`` prints and the flow's report
-    shows)."""
-    rows = sorted((r for r in store.quality_by_config() if r["config_hash"] in hashes), key=_order)
-    keys = [k for k in BATCH_QUALITY if any(r.get(k) is not None for r in rows)]
-    return [{k: r.get(k) for k in keys} for r in rows]
+    return sorted(rows, key=config_order)
 
 
 def kv_label(row: dict, unit: str = "") -> Optional[str]:

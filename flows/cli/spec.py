@@ -120,10 +120,8 @@ def print_summary(summary, db: str) -> None:
 def print_quality(summary, db: str) -> None:
     """This batch's runs against the uncompressed twin (``--compare-full``): the means over its documents of
     the store's evaluation metrics, the twin's own first."""
-    from pipeline.report import batch_quality  # matplotlib: only when asked
-
     with Store(db, read_only=True) as store:
-        rows = batch_quality(store, {c.config_hash() for c, _ in summary.runs})
+        rows = store.batch_quality({c.config_hash() for c, _ in summary.runs})
     if any(r["press"] != "no_press" for r in rows):
         print_table(pa.Table.from_pylist(rows), title="against the uncompressed run (delta NLL: lower is closer; "
                                                       "source: the document's tenths a summary draws on)")
