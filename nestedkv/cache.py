@@ -212,7 +212,7 @@ def compress(cache, model=None, tokens=None, prompt=(), scores=None, questions=(
                   else model_scores(cache, model, tokens, prompt, questions))
     layers = leaves(cache)
     scores = scores or [None] * len(layers)
-    keeps = press_of(cache).layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(layers)
+    keeps = press.layer_keeps(scores) if any(s is not None for s in scores) else [None] * len(layers)
     for c, s, k in zip(layers, scores, keeps):
         if isinstance(c, NestedKVCache):
             c.compress(s, k)

@@ -7,9 +7,9 @@ behind one interface, chosen by the cache (``kvcache.py``).
 - ``PerHead``: adaptive budgets (B = 1) keep each head's rows without padding in one flat buffer
   ``flat_keys``/``flat_values`` ``[1, 1, sum of region sizes, D]``, one region per KV head
   ``[its kept rows | appended rows | free]``: resident bytes follow kept bytes, and one scatter (on the CPU, a
-  slice update per head) appends a token to every head. The model gets ``HeadRows`` (the flat buffer and where each head's rows are), which
-  ``attention.attention`` attends in one call, each query head masked to its KV head's rows (on the CPU, one call
-  per KV head a decode step, in place).
+  slice update per head) appends a token to every head. The model gets ``HeadRows`` (the flat buffer and where
+  each head's rows are), which ``attention.attention`` attends in one call, each query head masked to its KV
+  head's rows (on the CPU, one call per KV head a decode step, in place).
 
 ``stored`` (the longest head's rows) and ``n_ctx`` (its context rows) belong to the cache, which passes them.
 """

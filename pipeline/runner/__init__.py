@@ -231,7 +231,7 @@ class Runner:
         questions = asked(prepared, res) if prepared is not None else []
         press = nestedkv.press_of(cache)
         scores, shared_s, shared_peak = None, 0.0, 0
-        if press.needs_model and scored is not None and tokens is not None:
+        if press.needs_model and press.prefill == "whole" and scored is not None and tokens is not None:
             key = press.scoring_key()
             if key in scored:
                 scores, shared_s, shared_peak = scored[key]
