@@ -21,6 +21,7 @@ from prefect.artifacts import (
 )
 
 from pipeline import tables
+from pipeline.quality import batch_quality
 from pipeline.store import Store
 
 LAYER_COLUMNS = ("layer", "tokens_seen", "kept_min", "kept_max", "kept_mean", "kept_share", "saved_share",
@@ -73,9 +74,9 @@ def layer_rows(store: Store, run_id: str) -> list[dict]:
 
 
 def quality_rows(store: Store, summary) -> list[dict]:
-    """The batch's evaluation means (``Store.batch_quality``), as artifacts hold numbers."""
+    """The batch's evaluation means (``pipeline.quality.batch_quality``), as artifacts hold numbers."""
     hashes = {c.config_hash() for c, _ in summary.runs}
-    return [{k: _plain(v) for k, v in r.items()} for r in store.batch_quality(hashes)]
+    return [{k: _plain(v) for k, v in r.items()} for r in batch_quality(store, hashes)]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Iterable, Optional, Sequence
 
 from pipeline.config import RunConfig
-from pipeline.labels import config_order
 from pipeline.metrics import (AGREE_EXACT, CORRECT, COVERAGE_METRICS, DELTA_GOLD_NLL, DELTA_NLL, GOLD_NLL, ROUGE_L,
                               SOURCE, SOURCE_ENDS, SOURCE_MIDDLE, TOP1)
 from pipeline.results import OK
@@ -112,10 +111,6 @@ QUALIFY row_number() OVER (PARTITION BY r.config_hash, e.doc_id, e.metric ORDER 
 """
 
 
-BATCH_QUALITY = ("press", "compression_ratio", "head_budget", "budget", "n_docs", "delta_nll", "rouge_l",
-                 "top1_agreement", "accuracy", "source_coverage", "source_middle", "source_ends")
-
-
 class Queries(Reads):
     # -- resume -----------------------------------------------------------------------------------
     def done_documents(self, config: RunConfig) -> set[tuple[str, str]]:
@@ -203,14 +198,6 @@ class Queries(Reads):
     def quality_by_config(self) -> list[dict]:
         """Answer quality per evaluated configuration (``QUALITY_SQL``), unordered."""
         return self.query(self._with_kv(QUALITY_SQL)).to_pylist()
-
-    def batch_quality(self, hashes: set[str]) -> list[dict]:
-        """The evaluation means of a batch's configurations (``hashes``) in report order, the uncompressed
-        reference first, with the columns of ``BATCH_QUALITY`` some row has: what ``nkv run --compare-full``
-        prints and the flow's report artifact shows."""
-        rows = sorted((r for r in self.quality_by_config() if r["config_hash"] in hashes), key=config_order)
-        keys = [k for k in BATCH_QUALITY if any(r.get(k) is not None for r in rows)]
-        return [{k: r.get(k) for k in keys} for r in rows]
 
     def _with_kv(self, sql: str) -> str:
         """``sql`` with ``{kv}`` (the quantization columns) and ``{kv_hadamard}`` filled in. A read-only open
