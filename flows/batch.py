@@ -22,6 +22,7 @@ from flows.params import ONE, SWEEP, hooks_parameter, keyword, spec_function
 from pipeline.config import Task
 from pipeline.documents import Document
 from pipeline.engine import Hooks, Outcome, Summary
+from pipeline.quality import compared
 from pipeline.spec import BatchSpec
 from pipeline.store import Store, StoreWriteError
 from pipeline.store.errors import one_line
@@ -131,7 +132,7 @@ def report_sections(input: str, summary: Summary, layers: list[dict],
             f"{len(summary.input_errors)} bad input rows")
     sections = [("Batch", head), ("Runs", runs), ("Memory savings", artifacts.markdown_table(summary.savings)),
                 ("Per layer (last run)", artifacts.markdown_table(layers))]
-    if any(r["press"] != "no_press" for r in quality):
+    if compared(quality):
         sections.append(("Quality against the uncompressed run", artifacts.markdown_table(quality) +
                          "\ndelta NLL: of the uncompressed answer or summary, lower is closer; source: the share of "
                          "the document's tenths a summary draws on, middle 30-70% and ends (docs/summaries.md)\n"))

@@ -15,7 +15,7 @@ from flows.output import plain
 from nestedkv.press import compared_methods
 from pipeline.config import BatchOptions, PressSettings, parse_kv_bits, parse_press_param
 from pipeline.engine import Hooks
-from pipeline.quality import batch_quality
+from pipeline.quality import batch_quality, compared
 from pipeline.results import OK
 from pipeline.spec import FIXED_FIELDS, BatchSpec, scalar_type
 from pipeline.store import Store
@@ -123,7 +123,7 @@ def print_quality(summary, db: str) -> None:
     the store's evaluation metrics, the twin's own first."""
     with Store(db, read_only=True) as store:
         rows = batch_quality(store, {c.config_hash() for c, _ in summary.runs})
-    if any(r["press"] != "no_press" for r in rows):
+    if compared(rows):
         print_table(pa.Table.from_pylist(rows), title="against the uncompressed run (delta NLL: lower is closer; "
                                                       "source: the document's tenths a summary draws on)")
 
