@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nestedkv import _platform as P
+from bench import blas as gemm
 from bench import kernels as bench
 
 SPR = P.CpuInfo("GenuineIntel", 6, P.AVX512 | P.AVX2 | {"avx512_bf16", "amx_tile", "sse4_2"})
@@ -266,28 +267,28 @@ def test_without_openblas_loading_a_model_on_the_cpu_says_so_once(monkeypatch, c
 
 # -- bench -------------------------------------------------------------------------------------
 def test_gemm_gflops_is_a_positive_rate():
-    assert bench.gemm_gflops(n=64, repeats=2) > 0
+    assert gemm.gemm_gflops(n=64, repeats=2) > 0
 
 
 def test_expected_gflops_floor():
-    assert bench.expected_gflops("x86_64", SPR.flags, 2) == 100.0
-    assert bench.expected_gflops("x86_64", SKYLAKE_CLIENT.flags, 4) == 100.0
-    assert bench.expected_gflops("x86_64", OLD_INTEL.flags, 2) is None
-    assert bench.expected_gflops("arm64", SPR.flags, 2) is None
+    assert gemm.expected_gflops("x86_64", SPR.flags, 2) == 100.0
+    assert gemm.expected_gflops("x86_64", SKYLAKE_CLIENT.flags, 4) == 100.0
+    assert gemm.expected_gflops("x86_64", OLD_INTEL.flags, 2) is None
+    assert gemm.expected_gflops("arm64", SPR.flags, 2) is None
 
 
 def test_gemm_warning_only_below_the_floor():
-    assert bench.gemm_warning(36.0, 100.0).startswith("WARNING: fp32 GEMM runs at 36 GFLOP/s")
-    assert "OPENBLAS_CORETYPE" in bench.gemm_warning(36.0, 100.0)
-    assert bench.gemm_warning(239.0, 100.0) is None
-    assert bench.gemm_warning(5.0, None) is None
+    assert gemm.gemm_warning(36.0, 100.0).startswith("WARNING: fp32 GEMM runs at 36 GFLOP/s")
+    assert "OPENBLAS_CORETYPE" in gemm.gemm_warning(36.0, 100.0)
+    assert gemm.gemm_warning(239.0, 100.0) is None
+    assert gemm.gemm_warning(5.0, None) is None
 
 
 def test_report_shows_the_blas_and_the_warning():
     blas = {
         "gemm_n": 2048, "gemm_gflops": 36.0, "library": "libopenblas.so.0", "corename": "Prescott",
         "config": "", "coretype_set": None, "coretype_env": None, "floor_gflops": 100.0,
-        "warning": bench.gemm_warning(36.0, 100.0),
+        "warning": gemm.gemm_warning(36.0, 100.0),
     }
     out = {"device": "Device(cpu, 0)", "mlx": "x", "repeats": 1, "blas": blas,
            "scoring": [{"method": "keydiff", "n": 8, "seconds": 0.001}]}
